@@ -11,9 +11,12 @@ correction compares with a dense re-scoring).
                    max_new_tokens=32, temperature=1.0, eos_token_id=2)
     out.tokens, out.mask, out.logprobs, out.stats["peak_kv_bytes"]
 """
+import time
 from dataclasses import dataclass, field
 
 import torch
+
+from kvcache import KVCache, SparseConfig, sparse_attention
 
 
 @dataclass
@@ -47,3 +50,108 @@ class Rollouts:
         rows = lambda t: t[index.to(t.device)]
         return Rollouts([self.prompts[i] for i in index.tolist()], rows(self.tokens), rows(self.mask),
                         rows(self.logprobs), rows(self.topk_logprobs), rows(self.topk_ids), dict(self.stats))
+
+
+def left_pad(prompts, pad_token_id, device):
+    """Prompts (lists of ids) -> input_ids [N, P] left-padded, positions [N, P] (-1 on padding)."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_token_id, dtype=torch.long)
+    positions = torch.full((len(prompts), P), -1, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, P - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        positions[row, P - len(prompt):] = torch.arange(len(prompt))
+    return ids.to(device), positions.to(device)
+
+
+def sample_token(logp, temperature, top_p, generator):
+    """Choose one token per row from log-probs [N, V]: argmax when greedy, else nucleus sampling."""
+    if temperature == 0:
+        return logp.argmax(-1)
+    probs = logp.exp()
+    if top_p < 1.0:  # keep the smallest set of most likely tokens whose mass reaches top_p
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk):
+    """Reject bad input with a message naming the value, before any forward pass."""
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r:.80}")
+    vocab = model.config.vocab_size
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): min {min(prompt)}, max {max(prompt)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    if not isinstance(logprobs_topk, int) or logprobs_topk < 1:
+        raise ValueError(f"logprobs_topk must be a positive integer, got {logprobs_topk!r}")
+
+
+def forward(model, ids, positions, cache):
+    """One forward pass through the cache; -> next-token logits [N, V] (float32)."""
+    cache.start_step(positions)
+    # `past_key_values` makes each attention layer store its keys and values in the cache;
+    # `kv_cache` reaches our attention hook (transformers passes extra kwargs down to it).
+    out = model(input_ids=ids, position_ids=positions.clamp(min=0), past_key_values=cache,
+                use_cache=True, kv_cache=cache, logits_to_keep=1)
+    return out.logits[:, -1].float()
+
+
+@torch.inference_mode()
+def generate(model, prompts, sparse=SparseConfig(), max_new_tokens=256, temperature=1.0, top_p=1.0,
+             eos_token_id=None, pad_token_id=0, seed=0, logprobs_topk=20, record=False):
+    """Sample a response for every prompt through a `KVCache` compressed as `sparse` says.
+
+    prompts: N lists of token ids (any lengths). Left-padded prefill, then one token per step
+    for every row; a row is done after EOS, the loop stops when all rows are done.
+    temperature 0 is greedy (log-probs are then recorded at temperature 1). Reproducible per
+    `seed`. With `record=True`, `stats["cache"]` is the cache itself, history included.
+    Returns `Rollouts` with T = the number of steps run.
+    """
+    check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk)
+    device = model.device
+    ids, positions = left_pad(prompts, pad_token_id, device)
+    N, k = len(prompts), min(logprobs_topk, model.config.vocab_size)
+    cache = KVCache(sparse, model.config.num_hidden_layers, max_new_tokens, seed, record)
+    generator = torch.Generator(device).manual_seed(seed)
+    tokens, logprobs, topk_logprobs, topk_ids, masks = [], [], [], [], []
+    done = torch.zeros(N, dtype=torch.bool, device=device)
+    next_pos = positions[:, -1:] + 1
+    start = time.perf_counter()
+    with sparse_attention(model):
+        logits = forward(model, ids, positions, cache)
+        for step in range(max_new_tokens):
+            logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+            token = sample_token(logp, temperature, top_p, generator)
+            token = token.masked_fill(done, pad_token_id)
+            live = (~done).float()
+            tokens.append(token)
+            masks.append(live)
+            logprobs.append(logp.gather(-1, token[:, None]).squeeze(-1) * live)
+            top = logp.topk(k, dim=-1)
+            topk_logprobs.append(top.values)
+            topk_ids.append(top.indices)
+            if eos_token_id is not None:
+                done |= token == eos_token_id
+            if done.all() or step == max_new_tokens - 1:
+                break
+            logits = forward(model, token[:, None], next_pos, cache)
+            next_pos = next_pos + 1
+    seconds = time.perf_counter() - start
+    mask = torch.stack(masks, 1)
+    stats = dict(new_tokens=int(mask.sum()), seconds=seconds, tokens_per_s=float(mask.sum()) / seconds,
+                 peak_kv_tokens=cache.peak_kv_tokens, dense_kv_tokens=cache.dense_kv_tokens,
+                 peak_kv_bytes=cache.peak_kv_bytes, dense_kv_bytes=cache.dense_kv_bytes,
+                 compressions=cache.compressions)
+    if record:
+        stats["cache"] = cache
+    return Rollouts([list(p) for p in prompts], torch.stack(tokens, 1), mask, torch.stack(logprobs, 1),
+                    torch.stack(topk_logprobs, 1), torch.stack(topk_ids, 1), stats)

@@ -1,0 +1,123 @@
+"""The evictable cache against slow loop-based references, its budget, and its input checks."""
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from kvcache import KVCache, SparseConfig, check_model, keep_indices
+from reference import simulate_cache, tiny_model
+from sampler import generate
+
+B, H, H_KV, D = 2, 4, 2, 8
+
+
+def random_steps(prompt_lens=(9, 5), new_tokens=24, seed=0):
+    """Explicit Q, K, V for a left-padded batch: prefill of max(prompt_lens), then one token per step."""
+    g = torch.Generator().manual_seed(seed)
+    P = max(prompt_lens)
+    L = P + new_tokens
+    q, k, v = (torch.randn(B, n, L, D, generator=g) for n in (H, H_KV, H_KV))
+    coord = torch.arange(L)[None]
+    start = P - torch.tensor(prompt_lens)[:, None]
+    pos = (coord - start).masked_fill(coord < start, -1)
+    return q, k, v, pos, P
+
+
+def run_cache(sparse, q, k, v, pos, P, seed=0):
+    """Feed the tensors through KVCache exactly as the model would; -> cache, outputs [B, H, L, D]."""
+    cache = KVCache(sparse, num_layers=1, max_new_tokens=q.shape[2] - P, seed=seed, record=True)
+    outs = []
+    for cols in [slice(0, P)] + [slice(c, c + 1) for c in range(P, q.shape[2])]:
+        cache.start_step(pos[:, cols])
+        cache.update(k[:, :, cols], v[:, :, cols], 0)
+        outs.append(cache.attend(0, q[:, :, cols], scaling=D ** -0.5))
+    return cache, torch.cat(outs, dim=2)
+
+
+def kept_positions(cache):
+    """Per step, the valid kept positions per (row, KV head), as sorted lists."""
+    return [[[sorted(p for p in step[b, h].tolist() if p >= 0) for h in range(H_KV)] for b in range(B)]
+            for step in cache.history[0]]
+
+
+@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "snapkv", "rkv"])
+def test_policy_keeps_what_the_loop_reference_keeps(policy):
+    sparse = SparseConfig(policy, budget=7, interval=3, window=2, sink=2, kernel=3)
+    q, k, v, pos, P = random_steps()
+    cache, out = run_cache(sparse, q, k, v, pos, P)
+    ref_steps, ref_out = simulate_cache(sparse, q, k, v, pos, P, scaling=D ** -0.5)
+    assert kept_positions(cache) == ref_steps
+    real = (pos >= 0)[:, None, :, None]
+    assert torch.allclose(out.double() * real, ref_out * real, atol=1e-5)
+    if policy != "full":
+        assert cache.compressions > 0
+
+
+def test_streaming_keeps_sink_and_most_recent():
+    sparse = SparseConfig("streaming", budget=6, interval=1, window=2, sink=2)
+    q, k, v, pos, P = random_steps(prompt_lens=(5, 5), new_tokens=10)
+    cache, _ = run_cache(sparse, q, k, v, pos, P)
+    last = pos[0, -1].item()
+    assert kept_positions(cache)[-1][0][0] == [0, 1] + list(range(last - 3, last + 1))
+
+
+def test_random_policy_is_seeded_and_keeps_the_window():
+    sparse = SparseConfig("random", budget=6, interval=2, window=2, sink=0)
+    q, k, v, pos, P = random_steps(prompt_lens=(8, 8), new_tokens=12)
+    first = kept_positions(run_cache(sparse, q, k, v, pos, P, seed=1)[0])
+    again = kept_positions(run_cache(sparse, q, k, v, pos, P, seed=1)[0])
+    other = kept_positions(run_cache(sparse, q, k, v, pos, P, seed=2)[0])
+    assert first == again and first != other
+    newest = pos[0, -1].item()
+    assert {newest - 1, newest} <= set(first[-1][0][0])
+
+
+def test_kept_tokens_stay_within_budget_plus_interval():
+    sparse = SparseConfig("snapkv", budget=10, interval=4, window=2, sink=2)
+    model = tiny_model("llama")
+    out = generate(model, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5]], sparse,
+                   max_new_tokens=40, temperature=1.0, record=True)
+    cache = out.stats["cache"]
+    tokens = torch.stack([torch.tensor([[int((s[b, h] >= 0).sum()) for h in range(H_KV)] for b in range(B)])
+                          for s in cache.history[0]])                 # [steps, B, H_kv] valid kept tokens
+    assert tokens.max() <= sparse.budget + sparse.interval
+    assert out.stats["peak_kv_tokens"] <= sparse.budget + sparse.interval
+    # right after a row compresses it holds exactly `budget` tokens
+    dropped = tokens[1:] < tokens[:-1]
+    assert dropped.any() and (tokens[1:][dropped] == sparse.budget).all()
+    # bytes: 2 (K and V) * layers * batch * kv_heads * head_dim * 4 bytes (fp32) per slot
+    per_slot = 2 * 2 * B * H_KV * (64 // 4) * 4
+    assert out.stats["peak_kv_bytes"] == out.stats["peak_kv_tokens"] * per_slot
+    assert out.stats["dense_kv_bytes"] == (13 + out.tokens.shape[1] - 1) * per_slot
+
+
+def test_keep_indices_by_hand():
+    # one row, one head, 6 slots; the first slot is padding, window 1 keeps the newest (pos 4)
+    pos = torch.tensor([[[-1, 0, 1, 2, 3, 4]]])
+    scores = torch.tensor([[[9.0, 0.5, 3.0, 0.1, 2.0, -5.0]]])
+    index, kept = keep_indices(scores, pos, budget=3, window=1, due=torch.tensor([True]))
+    assert index.tolist() == [[[2, 4, 5]]] and kept.all()
+    index, kept = keep_indices(scores, pos, budget=3, window=1, due=torch.tensor([False]))
+    assert index.tolist() == [[[1, 2, 3, 4, 5]]] and kept.all()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(policy="lru"), "unknown policy 'lru'"),
+    (dict(policy="snapkv", budget=8, window=8, sink=4), "budget=8 must be >= window \\+ sink"),
+    (dict(budget=0), "budget must be a positive integer"),
+    (dict(interval=0), "interval must be a positive integer"),
+    (dict(interval=-3), "interval must be a positive integer"),
+    (dict(window=0), "window must be a positive integer"),
+    (dict(sink=-1), "sink must be a non-negative integer"),
+    (dict(kernel=4), "kernel must be odd"),
+    (dict(lam=1.5), "lam must lie in \\[0, 1\\]"),
+    (dict(gqa="sum"), "gqa must be 'mean' or 'max'"),
+])
+def test_bad_config_is_a_clear_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SparseConfig(**kwargs)
+
+
+def test_unsupported_architecture_is_named():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
+    with pytest.raises(ValueError, match="'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3"):
+        check_model(gpt2)

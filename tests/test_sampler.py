@@ -1,0 +1,116 @@
+"""The sampler against Hugging Face `generate`, a dense forward pass, and a masked dense pass."""
+import pytest
+import torch
+
+from kvcache import SparseConfig
+from reference import full_forward_logprobs, hf_greedy, masked_dense_logprobs, tiny_model
+from sampler import generate
+
+PROMPTS = [[5, 9, 3, 7, 1, 12, 33, 8, 2], [4, 17, 6], [21, 22, 23, 24, 25, 26]]
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", {}), ("qwen2", {}), ("qwen3", {}),
+    ("mistral", {"sliding_window": 6}),     # a window shorter than the sequence: exercised, not skipped
+])
+def test_full_cache_greedy_equals_hugging_face(arch, overrides):
+    model = tiny_model(arch, **overrides)
+    ours = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=24, temperature=0)
+    theirs = hf_greedy(model, PROMPTS, 24)
+    assert torch.equal(ours.tokens, theirs)
+    assert ours.mask.bool().all()
+    for row, prompt in enumerate(PROMPTS):
+        dense = full_forward_logprobs(model, prompt, ours.tokens[row].tolist())
+        assert torch.allclose(ours.logprobs[row], dense, atol=1e-4)
+
+
+def test_rows_stop_at_eos_like_hugging_face():
+    model = tiny_model("llama")
+    eos = hf_greedy(model, PROMPTS, 24)[0, 5].item()                 # a token row 0 emits at step 5
+    ours = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=24, temperature=0, eos_token_id=eos)
+    theirs = hf_greedy(model, PROMPTS, 24, eos_token_id=eos)
+    T = theirs.shape[1]
+    assert torch.equal(ours.tokens[:, :T], theirs) and (ours.tokens[:, T:] == 0).all()
+    first_eos = (ours.tokens[0] == eos).nonzero()[0].item()
+    assert ours.mask[0, : first_eos + 1].bool().all() and not ours.mask[0, first_eos + 1:].bool().any()
+    assert (ours.logprobs[ours.mask == 0] == 0).all()
+
+
+@pytest.mark.parametrize("policy, interval", [
+    ("streaming", 2), ("h2o", 2), ("snapkv", 2), ("rkv", 2), ("random", 2), ("snapkv", 1), ("h2o", 5)])
+def test_eviction_equals_masking(policy, interval):
+    model = tiny_model("llama")
+    sparse = SparseConfig(policy, budget=8, interval=interval, window=2, sink=2, kernel=3)
+    out = generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=1.0, seed=3, record=True)
+    masked = masked_dense_logprobs(model, out)
+    assert torch.allclose(out.logprobs, masked, atol=1e-4)
+    # and eviction really changed the distribution: the unmasked dense pass disagrees
+    dense = torch.stack([full_forward_logprobs(model, p, out.tokens[i].tolist()) for i, p in enumerate(PROMPTS)])
+    assert (out.logprobs - dense).abs().max() > 1e-2
+
+
+def test_eviction_equals_masking_qwen3_sliding_mistral():
+    for arch, overrides in [("qwen3", {}), ("mistral", {"sliding_window": 12})]:
+        model = tiny_model(arch, **overrides)
+        out = generate(model, PROMPTS, SparseConfig("rkv", budget=8, interval=3, window=2, sink=2),
+                       max_new_tokens=25, temperature=1.0, record=True)
+        assert torch.allclose(out.logprobs, masked_dense_logprobs(model, out), atol=1e-4)
+
+
+@pytest.mark.parametrize("sparse", [SparseConfig("full"), SparseConfig("snapkv", budget=8, interval=3, window=2),
+                                    SparseConfig("h2o", budget=8, interval=1, window=2)])
+def test_a_padded_batch_equals_each_prompt_alone(sparse):
+    model = tiny_model("qwen2")
+    batch = generate(model, PROMPTS, sparse, max_new_tokens=20, temperature=0)
+    for row, prompt in enumerate(PROMPTS):
+        alone = generate(model, [prompt], sparse, max_new_tokens=20, temperature=0)
+        assert torch.equal(batch.tokens[row], alone.tokens[0])
+        assert torch.allclose(batch.logprobs[row], alone.logprobs[0], atol=1e-4)
+
+
+def test_sampling_is_reproducible_per_seed_and_top_p_narrows_it():
+    model = tiny_model("llama")
+    run = lambda seed, top_p=1.0: generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=16,
+                                           temperature=1.0, top_p=top_p, seed=seed).tokens
+    assert torch.equal(run(1), run(1)) and not torch.equal(run(1), run(2))
+    greedy = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=16, temperature=0).tokens
+    assert torch.equal(run(1, top_p=1e-6), greedy)                   # the nucleus is the argmax alone
+
+
+def test_recorded_topk_is_the_sampler_distribution():
+    model = tiny_model("llama")
+    out = generate(model, PROMPTS[:1], SparseConfig("full"), max_new_tokens=6, temperature=0.7, logprobs_topk=64)
+    assert torch.allclose(out.topk_logprobs.exp().sum(-1), torch.ones(1, 6), atol=1e-5)  # k = vocab: all mass
+    chosen = out.topk_logprobs.gather(-1, (out.topk_ids == out.tokens[..., None]).float().argmax(-1, keepdim=True))
+    assert torch.allclose(chosen[..., 0], out.logprobs)
+    dense = full_forward_logprobs(model, PROMPTS[0], out.tokens[0].tolist(), temperature=0.7)
+    assert torch.allclose(out.logprobs[0], dense, atol=1e-4)
+
+
+def test_bfloat16_runs_close_to_float32():
+    model = tiny_model("llama")
+    fp32 = generate(model, PROMPTS, SparseConfig("snapkv", budget=8, interval=2, window=2), max_new_tokens=8,
+                    temperature=0)
+    bf16 = generate(model.to(torch.bfloat16), PROMPTS, SparseConfig("snapkv", budget=8, interval=2, window=2),
+                    max_new_tokens=8, temperature=0)
+    assert bf16.stats["peak_kv_bytes"] * 2 == fp32.stats["peak_kv_bytes"]
+    assert (bf16.tokens[:, 0] == fp32.tokens[:, 0]).all()
+    assert (bf16.logprobs[:, 0] - fp32.logprobs[:, 0]).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("prompts, kwargs, message", [
+    ([], {}, "prompts must be a non-empty list"),
+    ([[1, 2], []], {}, "prompt 1 is empty"),
+    ([[1, 99]], {}, "token ids outside \\[0, 64\\)"),
+    ([[1, 2]], dict(max_new_tokens=0), "max_new_tokens must be a positive integer, got 0"),
+    ([[1, 2]], dict(temperature=-0.5), "temperature must be >= 0"),
+    ([[1, 2]], dict(top_p=0.0), "top_p must lie in \\(0, 1\\], got 0.0"),
+    ([[1, 2]], dict(top_p=1.5), "top_p must lie in \\(0, 1\\], got 1.5"),
+])
+def test_bad_input_is_refused_before_any_forward_pass(prompts, kwargs, message):
+    model = tiny_model("llama")
+    calls = []
+    model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match=message):
+        generate(model, prompts, SparseConfig("full"), **kwargs)
+    assert calls == []
