@@ -1,0 +1,227 @@
+"""Tasks: prompts, answers and rewards for sparse-rollout RL.
+
+What is here
+- Two toy tasks with verifiable answers, generated from a seed. Every answer needs every digit
+  of the prompt, so a KV cache that evicts prompt tokens costs accuracy (issue 4 measured, on
+  "sort": 87 % exact with a full cache, 56 % with H2O and 27 % with StreamingLLM at 24 tokens).
+  One character is one token; the prompt ends with "=" and the answer follows it:
+      sort     prompt "S31415926=" -> answer "11234569"   (the digits in ascending order)
+      reverse  prompt "R31415926=" -> answer "62951413"   (the digits in reverse order)
+  The reward is exact match: 1.0 or 0.0.
+- `char_tokenizer()`: a Hugging Face tokenizer with one token per character of the toy tasks,
+  which round-trips through `save_pretrained` / `AutoTokenizer.from_pretrained`.
+- `load_jsonl(path)`: real data, GSM8K style ({"question", "answer": "...\\n#### 72"}) or
+  {"prompt", "answer"}, scored by `numeric_reward`, which reads "#### N" or "\\boxed{N}".
+- `encode_prompt` / `encode_target`: token ids of a prompt (through the chat template when the
+  tokenizer has one) and of a supervised target (the answer, then eos).
+
+Usage
+    from tasks import make_examples, reward_fn, char_tokenizer, encode_prompt, encode_target
+    tok = char_tokenizer()
+    example = make_examples("sort", n=1, seed=0)[0]   # {"prompt": "S...=", "answer": "..."}
+    prompt_ids = encode_prompt(tok, example["prompt"])           # [bos] + one id per character
+    warmup_ids = prompt_ids + encode_target(tok, example["answer"])  # supervised: answer + eos
+    reward_fn("sort")(tok.decode(response_ids, skip_special_tokens=True), example["answer"])
+
+    data = load_jsonl("../shared/data/gsm8k/test.jsonl")      # answers are plain numbers: "18"
+    numeric_reward("... so she makes $18.\\n#### 18", data[0]["answer"])  # 1.0
+"""
+import json
+import math
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+# ---------------------------------------------------------------- toy tasks
+
+
+@dataclass(frozen=True)
+class Task:
+    """A toy task: the letter that opens its prompts, and the rule from prompt digits to answer digits."""
+
+    marker: str
+    solve: Callable[[list], list]
+
+
+TASKS = {
+    "sort": Task("S", sorted),
+    "reverse": Task("R", lambda digits: digits[::-1]),
+}
+# The range measured in issue 4: long enough that a 24-token cache must evict digits.
+MIN_DIGITS, MAX_DIGITS = 12, 20
+
+
+def get_task(name):
+    """The Task called `name`; ValueError naming it and the allowed names otherwise."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
+    return TASKS[name]
+
+
+def make_examples(task, n, seed, min_digits=MIN_DIGITS, max_digits=MAX_DIGITS):
+    """`n` examples {"prompt", "answer"} of `task`, each with min_digits..max_digits random digits.
+
+    The same seed gives the same examples; use different seeds for training and held-out sets.
+    """
+    spec = get_task(task)
+    if not 1 <= min_digits <= max_digits:
+        raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits} and {max_digits}")
+    # A private generator: the examples neither depend on nor disturb the global random state.
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(n):
+        digits = [str(rng.randrange(10)) for _ in range(rng.randint(min_digits, max_digits))]
+        examples.append({"prompt": spec.marker + "".join(digits) + "=", "answer": "".join(spec.solve(digits))})
+    return examples
+
+
+def exact_match(completion, answer):
+    """1.0 if the completion, without surrounding whitespace, is exactly the answer, else 0.0.
+
+    `completion` is the decoded response without special tokens (eos and padding removed).
+    """
+    return float(completion.strip() == answer)
+
+
+def reward_fn(task):
+    """The reward function of a toy task: `reward(completion, answer) -> float`.
+
+    All toy tasks are scored by exact match; real data (`load_jsonl`) by `numeric_reward`.
+    """
+    get_task(task)
+    return exact_match
+
+
+# ---------------------------------------------------------------- character tokenizer
+
+# pad is id 0 so that zero-filled tensors read as padding.
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+ALPHABET = "0123456789=" + "".join(sorted(task.marker for task in TASKS.values()))
+
+
+def char_tokenizer():
+    """A PreTrainedTokenizerFast with one token per character of ALPHABET, after SPECIAL_TOKENS.
+
+    A character outside the alphabet becomes <unk>. The tokenizer adds no special tokens by
+    itself: `encode_prompt` puts bos in front and `encode_target` puts eos at the end.
+    """
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(ALPHABET))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    # WordLevel looks up whole pre-tokenized pieces, so split before every character;
+    # [\s\S] rather than "." so that a newline is split off too.
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()  # decode joins characters without spaces
+    # In transformers 5 this class is `TokenizersBackend`: save_pretrained writes tokenizer.json and a
+    # tokenizer_config.json naming that class, which AutoTokenizer reloads from the folder alone, offline.
+    # The special tokens must be named here; a tokenizer built from a tokenizer_object gets none by default.
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def encode_prompt(tokenizer, prompt):
+    """Token ids of a prompt: through the chat template if the tokenizer has one, else bos + text."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        # The template already writes the special tokens it wants (bos included); add none.
+        return tokenizer.encode(text, add_special_tokens=False)
+    # Added by hand rather than by add_special_tokens=True, which some tokenizers map to bos and
+    # eos, others to nothing at all.
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def encode_target(tokenizer, answer):
+    """Token ids of a supervised target: the answer, then eos so that the model learns to stop."""
+    return tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+
+# ---------------------------------------------------------------- real data and its reward
+
+# Appended to GSM8K-style questions, so that the model knows the marker the reward reads
+# (the wording of verl's GSM8K preprocessing).
+ANSWER_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+
+NUMBER = r"-?\d[\d,]*(?:\.\d+)?"  # 72, -3, 2.50, 1,234
+# A final-answer marker: the rest of a "####" line, or the inside of \boxed{...}.
+_MARKER = re.compile(r"####([^\n]*)|\\boxed\{([^{}]*)\}")
+# The number a marker's text starts with; a dollar sign is allowed since GSM8K asks about money.
+_LEADING_NUMBER = re.compile(r"\s*\$?\s*(" + NUMBER + ")")
+
+
+def extract_answer(completion):
+    """The final answer of a completion as a float, or None when it has none.
+
+    Only the last marker counts: "#### N" or "\\boxed{N}", commas ignored ("#### 1,234" is 1234).
+    Text without a marker ("The answer is 5") has no answer: the model is asked for the marker,
+    and guessing the last number would reward intermediate results (verl's "strict" GSM8K rule).
+    """
+    markers = list(_MARKER.finditer(completion))
+    if not markers:
+        return None
+    last = markers[-1]
+    number = _LEADING_NUMBER.match(last.group(1) if last.group(1) is not None else last.group(2))
+    return float(number.group(1).replace(",", "")) if number else None
+
+
+def numeric_reward(completion, answer):
+    """1.0 if the completion's final answer equals the number `answer`, else 0.0.
+
+    Compared as numbers ("2.50" == "2.5", "-3" == "-3.0"); the tolerance only absorbs float
+    rounding, it does not forgive a model's own rounding.
+    """
+    predicted = extract_answer(completion)
+    expected = float(answer.replace(",", ""))
+    return float(predicted is not None and math.isclose(predicted, expected, rel_tol=1e-9, abs_tol=1e-6))
+
+
+def load_jsonl(path):
+    """Examples {"prompt", "answer"} from a JSONL file; ValueError naming file and line if malformed.
+
+    A line is {"question", "answer"} (GSM8K: reasoning, then a final line "#### 72") or
+    {"prompt", "answer"}. The answer kept is the number after the last "####" (or the whole
+    answer if it has none), without commas: "1,080" -> "1080". Answers must be numbers, since
+    `numeric_reward` scores this data. A question gets ANSWER_INSTRUCTION appended; a prompt is
+    kept as written. Blank lines are skipped.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such data file")
+    examples = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                examples.append(_parse_line(line, f"{path}, line {number}"))
+    if not examples:
+        raise ValueError(f"{path}: the file holds no examples")
+    return examples
+
+
+def _parse_line(line, where):
+    """One JSONL line as {"prompt", "answer"}; `where` ("file, line n") starts every error message."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "prompt" not in record and "question" not in record:
+        raise ValueError(f"{where}: missing key 'question' (or 'prompt')")
+    key = "prompt" if "prompt" in record else "question"
+    for name in (key, "answer"):
+        if name not in record:
+            raise ValueError(f"{where}: missing key {name!r}")
+        if not isinstance(record[name], str):
+            raise ValueError(f"{where}: {name!r} must be a string, got {type(record[name]).__name__}")
+    final = record["answer"].rsplit("####", 1)[-1].strip()
+    if not re.fullmatch(NUMBER, final):
+        raise ValueError(f"{where}: final answer {final!r} is not a number")
+    prompt = record["prompt"] if key == "prompt" else record["question"] + "\n" + ANSWER_INSTRUCTION
+    return {"prompt": prompt, "answer": final.replace(",", "")}

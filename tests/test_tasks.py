@@ -1,0 +1,244 @@
+"""Tests of tasks.py: toy examples, rewards, the character tokenizer, prompt encoding, JSONL loading."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+import tasks
+from tasks import (
+    ALPHABET, TASKS, char_tokenizer, encode_prompt, encode_target, extract_answer, load_jsonl,
+    make_examples, numeric_reward, reward_fn,
+)
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+# Each toy task's answer computed independently of tasks.py, from the prompt's digits.
+EXPECTED = {
+    "sort": lambda digits: "".join(sorted(digits)),
+    "reverse": lambda digits: "".join(reversed(digits)),
+}
+MARKERS = {"sort": "S", "reverse": "R"}
+
+
+def digits_of(prompt, task):
+    """The digits of a toy prompt, checking its format "<marker><digits>=" on the way."""
+    match = re.fullmatch(MARKERS[task] + r"(\d+)=", prompt)
+    assert match, f"bad {task} prompt {prompt!r}"
+    return match.group(1)
+
+
+# ---------------------------------------------------------------- toy tasks
+
+
+def test_every_task_is_tested():
+    assert set(TASKS) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("task", sorted(EXPECTED))
+def test_answers_match_an_independent_computation(task):
+    examples = make_examples(task, 300, seed=1)
+    assert len(examples) == 300
+    for example in examples:
+        digits = digits_of(example["prompt"], task)
+        assert example["answer"] == EXPECTED[task](digits)
+    # The default lengths are the measured 12-20 digits, and all of them occur.
+    assert {len(digits_of(e["prompt"], task)) for e in examples} == set(range(12, 21))
+
+
+def test_lengths_are_configurable():
+    examples = make_examples("reverse", 100, seed=0, min_digits=3, max_digits=5)
+    assert {len(digits_of(e["prompt"], "reverse")) for e in examples} == {3, 4, 5}
+    with pytest.raises(ValueError, match="min_digits"):
+        make_examples("sort", 1, seed=0, min_digits=6, max_digits=5)
+
+
+def test_same_seed_same_examples_other_seed_other_examples():
+    assert make_examples("sort", 20, seed=7) == make_examples("sort", 20, seed=7)
+    assert make_examples("sort", 20, seed=7) != make_examples("sort", 20, seed=8)
+
+
+def test_unknown_task_is_named_with_the_allowed_ones():
+    for call in (lambda: make_examples("sorting", 1, seed=0), lambda: reward_fn("sorting")):
+        with pytest.raises(ValueError) as error:
+            call()
+        message = str(error.value)
+        assert "'sorting'" in message and all(name in message for name in TASKS)
+
+
+@pytest.mark.parametrize("task", sorted(EXPECTED))
+def test_reward_of_true_answer_is_1_and_of_corrupted_answers_0(task):
+    reward = reward_fn(task)
+    for example in make_examples(task, 20, seed=3):
+        answer = example["answer"]
+        assert reward(answer, answer) == 1.0
+        assert reward(" " + answer + "\n", answer) == 1.0  # surrounding whitespace is ignored
+        changed = answer[:-1] + str((int(answer[-1]) + 1) % 10)
+        for wrong in (changed, answer[:-1], answer + "0", "", "=" + answer):
+            assert reward(wrong, answer) == 0.0
+
+
+# ---------------------------------------------------------------- tokenizer and encoding
+
+
+def test_char_tokenizer_has_one_token_per_character():
+    tok = char_tokenizer()
+    assert tok.pad_token_id == 0
+    assert len({tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id}) == 4
+    ids = tok.encode(ALPHABET, add_special_tokens=False)
+    assert len(ids) == len(set(ids)) == len(ALPHABET)
+    assert tok.unk_token_id not in ids
+    for task in TASKS:
+        example = make_examples(task, 1, seed=0)[0]
+        text = example["prompt"] + example["answer"]
+        ids = tok.encode(text, add_special_tokens=False)
+        assert len(ids) == len(text) and tok.unk_token_id not in ids
+        assert tok.decode(ids) == text
+    assert tok.encode("S1x", add_special_tokens=False)[-1] == tok.unk_token_id
+
+
+def test_char_tokenizer_round_trips_through_save_pretrained(tmp_path):
+    tok = char_tokenizer()
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded.get_vocab() == tok.get_vocab()
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id"):
+        assert getattr(loaded, name) == getattr(tok, name)
+    texts = [e["prompt"] + e["answer"] for task in TASKS for e in make_examples(task, 5, seed=2)]
+    for text in texts + ["<bos>S12=12<eos>", "S1\nx"]:
+        assert loaded.encode(text) == tok.encode(text)
+        assert encode_prompt(loaded, text) == encode_prompt(tok, text)
+    assert loaded.decode(tok.encode(texts[0])) == texts[0]
+
+
+def test_encode_prompt_without_a_chat_template_puts_bos_first():
+    tok = char_tokenizer()
+    assert tok.chat_template is None
+    assert encode_prompt(tok, "S21=") == [tok.bos_token_id] + tok.encode("S21=", add_special_tokens=False)
+    tok.bos_token = None  # a tokenizer without bos, like Qwen's, gets no bos
+    assert encode_prompt(tok, "S21=") == tok.encode("S21=", add_special_tokens=False)
+
+
+def test_encode_prompt_uses_the_chat_template():
+    tok = char_tokenizer()
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}R{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}={% endif %}"
+    )
+    # The template's own bos only, not a second one; the generation prompt "=" at the end.
+    assert encode_prompt(tok, "12") == tok.encode("<bos>R12=", add_special_tokens=False)
+    assert encode_prompt(tok, "12")[:2] == [tok.bos_token_id, tok.convert_tokens_to_ids("R")]
+
+
+def test_encode_target_is_the_answer_then_eos():
+    tok = char_tokenizer()
+    ids = encode_target(tok, "1123")
+    assert ids[-1] == tok.eos_token_id and tok.decode(ids[:-1]) == "1123"
+    assert tok.decode(ids, skip_special_tokens=True) == "1123"
+
+
+# ---------------------------------------------------------------- numeric reward
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("#### 1,234", "1234", 1.0),
+    ("#### 1234", "1,234", 1.0),
+    ("\\boxed{42}", "42", 1.0),
+    ("So the total is \\boxed{ 42 }.", "42", 1.0),
+    ("\\boxed{1,000}", "1000", 1.0),
+    ("#### -3", "-3", 1.0),
+    ("#### 3", "-3", 0.0),
+    ("\\boxed{-3}", "3", 0.0),
+    ("#### 2.50", "2.5", 1.0),
+    ("#### 2.51", "2.5", 0.0),
+    ("#### 5.0", "5", 1.0),
+    ("#### $18", "18", 1.0),
+    ("#### 72 clips", "72", 1.0),
+    ("48/2 = 24 clips in May.\n48+24 = 72 altogether.\n#### 72", "72", 1.0),
+    ("#### 71", "72", 0.0),
+    ("no answer here", "5", 0.0),
+    ("The answer is 5", "5", 0.0),  # no marker, no answer: documented in extract_answer
+    ("####", "5", 0.0),
+    ("#### five", "5", 0.0),
+    ("\\boxed{x}", "5", 0.0),
+    ("#### 5\nwait, no: \\boxed{7}", "7", 1.0),  # the last marker counts
+    ("#### 5\nwait, no: \\boxed{7}", "5", 0.0),
+])
+def test_numeric_reward_hand_cases(completion, answer, expected):
+    assert numeric_reward(completion, answer) == expected
+
+
+def test_extract_answer():
+    assert extract_answer("#### 1,234,567.25") == 1234567.25
+    assert extract_answer("The answer is 5") is None
+    assert extract_answer("") is None
+
+
+# ---------------------------------------------------------------- JSONL loading
+
+
+def write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def test_load_jsonl_reads_both_shapes(tmp_path):
+    path = write(tmp_path / "data.jsonl", [
+        json.dumps({"question": "How many?", "answer": "3 * 360 = 1080\n#### 1,080"}),
+        "",  # blank lines are skipped
+        json.dumps({"prompt": "2 - 5 =", "answer": "-3", "id": 7}),  # extra keys are ignored
+    ])
+    first, second = load_jsonl(path)
+    assert first == {"prompt": "How many?\n" + tasks.ANSWER_INSTRUCTION, "answer": "1080"}
+    assert second == {"prompt": "2 - 5 =", "answer": "-3"}
+
+
+GOOD = json.dumps({"question": "q", "answer": "#### 1"})
+
+
+@pytest.mark.parametrize("bad, reason", [
+    ('{"question": "q", "answer": "#### 1"', "not valid JSON"),
+    ('[1, 2]', "expected a JSON object"),
+    ('{"answer": "#### 1"}', "missing key 'question'"),
+    ('{"question": "q"}', "missing key 'answer'"),
+    ('{"prompt": "q"}', "missing key 'answer'"),
+    ('{"question": "q", "answer": 72}', "'answer' must be a string"),
+    ('{"prompt": ["q"], "answer": "1"}', "'prompt' must be a string"),
+    ('{"question": "q", "answer": "so it is\\n#### seventy"}', "not a number"),
+    ('{"prompt": "q", "answer": ""}', "not a number"),
+])
+def test_malformed_line_names_file_and_line(tmp_path, bad, reason):
+    path = write(tmp_path / "bad.jsonl", [GOOD, GOOD, bad, GOOD])
+    with pytest.raises(ValueError) as error:
+        load_jsonl(path)
+    message = str(error.value)
+    assert str(path) in message and "line 3" in message and reason in message
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n"])
+def test_empty_file_is_an_error(tmp_path, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=re.escape(str(path))):
+        load_jsonl(path)
+
+
+def test_missing_file_is_an_error(tmp_path):
+    path = tmp_path / "nowhere.jsonl"
+    with pytest.raises(ValueError, match=re.escape(str(path))):
+        load_jsonl(path)
+
+
+@pytest.mark.skipif(not GSM8K.is_dir(), reason="GSM8K is not in ../shared/data/gsm8k")
+def test_gsm8k_loads_and_its_reference_solutions_score_1():
+    path = GSM8K / "test.jsonl"
+    examples = load_jsonl(path)
+    raw = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert len(examples) == len(raw) == 1319
+    assert examples[0]["answer"] == "18"  # Janet's ducks
+    for example, record in zip(examples, raw):
+        assert example["prompt"].startswith(record["question"])
+        # The reference solution ends in "#### N", so the reward must give it full marks.
+        assert numeric_reward(record["answer"], example["answer"]) == 1.0
+        assert numeric_reward(record["answer"] + "\n#### 0.5", example["answer"]) == 0.0
