@@ -1,0 +1,443 @@
+"""Tests for correction.py: every formula against numbers worked out by hand, down-sampling
+against brute force, the loss gradient against autograd and finite differences, the dense
+re-scoring against a plain forward pass and against the sampler, degenerate and bad input."""
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from correction import (acceptance, dense_logprobs, downsample, group_advantages, importance_weights,
+                        mismatch_stats, policy_loss, rejection_mask, response_logprobs)
+from sampler import Rollouts
+
+LN2 = math.log(2)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A random 2-layer Llama with grouped-query attention (4 query heads, 2 KV heads)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(config).eval()
+
+
+def hand_rollouts():
+    """Three responses of different prompt and response lengths, built without the sampler."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [[1, 5, 7, 9, 11], [1, 9, 3], [2, 4, 6, 8, 10, 12, 14]]
+    lengths = [6, 4, 2]
+    tokens = torch.randint(3, 64, (3, 6), generator=g)
+    mask = (torch.arange(6) < torch.tensor(lengths)[:, None]).float()
+    tokens = tokens.masked_fill(mask == 0, 0)
+    topk_ids = torch.randint(0, 64, (3, 6, 5), generator=g)
+    return Rollouts(prompts, tokens, mask, torch.zeros(3, 6), torch.zeros(3, 6, 5), topk_ids), lengths
+
+
+# ----------------------------------------------------------------------------- 1. down-sampling
+
+def brute_force_best_variance(r, m):
+    subsets = np.array(list(itertools.combinations(range(len(r)), m)))
+    return r[subsets].var(axis=1).max()
+
+
+@pytest.mark.parametrize("n", range(2, 11))
+def test_downsample_max_variance_matches_brute_force(n):
+    rng = np.random.default_rng(n)
+    groups = [rng.normal(size=n), rng.uniform(0, 1, size=n), rng.integers(0, 2, size=n).astype(float),
+              rng.integers(0, 2, size=n).astype(float), rng.integers(0, 3, size=n).astype(float),
+              np.zeros(n), np.r_[np.ones(n - 1), 0.0]]
+    rewards = torch.tensor(np.concatenate(groups))
+    for m in range(1, n):
+        idx = downsample(rewards, n, m).numpy()
+        assert idx.shape == (len(groups) * m,)
+        for g, r in enumerate(groups):
+            kept = idx[g * m:(g + 1) * m]
+            assert len(set(kept)) == m and all(g * n <= i < (g + 1) * n for i in kept)
+            assert rewards.numpy()[kept].var() == pytest.approx(brute_force_best_variance(r, m), abs=1e-9)
+
+
+def test_downsample_max_reward_and_random():
+    rewards = torch.tensor([0.1, 0.9, 0.5, 0.3, 5.0, 1.0, 3.0, 2.0])
+    assert downsample(rewards, 4, 2, rule="max-reward").tolist() == [1, 2, 4, 6]
+    # max-variance on the first group [0.1, 0.9, 0.5, 0.3] takes the extremes
+    assert downsample(rewards, 4, 2).tolist()[:2] == [0, 1]
+    a = downsample(rewards, 4, 3, rule="random", generator=torch.Generator().manual_seed(0))
+    b = downsample(rewards, 4, 3, rule="random", generator=torch.Generator().manual_seed(0))
+    assert a.tolist() == b.tolist()
+    assert len(set(a[:3].tolist())) == 3 and set(a[:3].tolist()) <= {0, 1, 2, 3}
+    assert set(a[3:].tolist()) <= {4, 5, 6, 7}
+    assert downsample(rewards, 4, 4).tolist() == list(range(8))
+
+
+# ----------------------------------------------------------------------------- 2. formulas by hand
+
+def test_acceptance_by_hand():
+    p_a, p_b = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.3, 0.5])
+    # full vocabulary: 1 - TV = 1 - (0.3 + 0 + 0.3) / 2 = 0.7
+    assert acceptance(p_a.log(), p_b.log()).item() == pytest.approx(0.7)
+    # two of three ids listed: min(.5,.2) + min(.3,.3) = 0.5 <= 0.7, a lower bound
+    assert acceptance(p_a[:2].log(), p_b[:2].log()).item() == pytest.approx(0.5)
+
+
+def test_mismatch_stats_by_hand():
+    rho = torch.tensor([[1.0, 2.0, 0.8], [0.25, 1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    logp_sparse = torch.full((2, 3), math.log(0.3))
+    logp_dense = logp_sparse + rho.log()
+    logp_dense[1, 1] = 50.0  # padding, must be ignored
+    probs = [([.5, .3, .2], [.2, .3, .5]),   # alpha 0.7
+             ([.6, .3, .1], [.6, .3, .1]),   # 1.0
+             ([.9, .05, .05], [.1, .1, .1]),  # 0.2
+             ([.4, .4, .2], [.4, .2, .2])]   # 0.8
+    topk_dense, topk_sparse = torch.zeros(2, 3, 3), torch.zeros(2, 3, 3)
+    for (i, t), (a, b) in zip([(0, 0), (0, 1), (0, 2), (1, 0)], probs):
+        topk_dense[i, t], topk_sparse[i, t] = torch.tensor(a).log(), torch.tensor(b).log()
+    stats = mismatch_stats(logp_dense, logp_sparse, mask, topk_dense, topk_sparse)
+    ln08 = math.log(0.8)
+    assert stats["tokens"] == 4
+    assert stats["rho_mean"] == pytest.approx((1 + 2 + 0.8 + 0.25) / 4, rel=1e-5)
+    assert stats["rho_min"] == pytest.approx(0.25, rel=1e-5)
+    assert stats["rho_max"] == pytest.approx(2.0, rel=1e-5)
+    assert stats["rho_p05"] == pytest.approx(0.25 + 0.15 * 0.55, rel=1e-5)  # sorted .25 .8 1 2, at 0.15
+    assert stats["rho_p50"] == pytest.approx(0.9, rel=1e-5)
+    assert stats["kl_k1"] == pytest.approx(-(0 + LN2 + ln08 - 2 * LN2) / 4, rel=1e-5)
+    assert stats["kl_k3"] == pytest.approx(((2 - 1 - LN2) + (0.8 - 1 - ln08) + (0.25 - 1 + 2 * LN2)) / 4, rel=1e-4)
+    assert stats["out_of_band"] == pytest.approx(0.5)  # 2.0 and 0.25 lie outside [0.5, 1.5]
+    assert stats["alpha_mean"] == pytest.approx((0.7 + 1.0 + 0.2 + 0.8) / 4, rel=1e-5)
+    assert stats["alpha_p05"] == pytest.approx(0.2 + 0.15 * 0.5, rel=1e-5)  # sorted .2 .7 .8 1
+
+
+def test_rejection_mask_token_band_and_veto_by_hand():
+    rho = torch.tensor([[1.0, 0.4, 1.2, 1.6],     # 0.4 and 1.6 leave the band
+                        [1.0, 5e-5, 1.0, 1.0],    # one rho < 1e-4: the whole response is vetoed
+                        [1.49, 0.51, 1e-6, 1e-6],  # tiny rho on padding: no veto
+                        [0.3, 2.0, 1.0, 1.0]])    # every token out of band
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 0, 0]])
+    new_mask, stats = rejection_mask(rho.log(), mask)
+    assert new_mask.tolist() == [[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
+    assert stats == dict(vetoed=1, rejected=1, dropped_tokens=2 + 3 + 0 + 2, kept_tokens=4)
+    assert mask.sum() == 11  # the input is not modified
+    # the band is closed: rho exactly on either edge stays
+    assert rejection_mask(torch.zeros(4, 4), mask, low=1.0, high=2.0)[0].equal(mask)
+    assert rejection_mask(torch.zeros(4, 4), mask, low=0.5, high=1.0)[0].equal(mask)
+
+
+def test_rejection_mask_geometric_by_hand():
+    rho = torch.tensor([[2.0, 0.5],     # geometric mean 1: kept whole, though each token is out of [0.5, 1.5]
+                        [1.1, 1.1],     # 1.1 outside [0.95, 1.05]: rejected
+                        [1.0, 1e-5],    # vetoed
+                        [1.02, 100.]])  # padding left out of the mean: 1.02, kept
+    mask = torch.tensor([[1.0, 1], [1, 1], [1, 1], [1, 0]])
+    new_mask, stats = rejection_mask(rho.log(), mask, low=0.95, high=1.05, mode="geometric")
+    assert new_mask.tolist() == [[1, 1], [0, 0], [0, 0], [1, 0]]
+    assert stats == dict(vetoed=1, rejected=1, dropped_tokens=4, kept_tokens=3)
+
+
+def test_importance_weights_by_hand():
+    rho = torch.tensor([[0.5, 1.0, 3.0], [0.5, 7.0, 1.0]])
+    mask = torch.tensor([[1.0, 1, 1], [1, 0, 0]])
+    log_rho = rho.log().requires_grad_()
+    # truncate at 1.5: 0.5 1 1.5 | 0.5, mean 3.5 / 4 = 0.875
+    w = importance_weights(log_rho, mask)
+    assert not w.requires_grad
+    torch.testing.assert_close(w, torch.tensor([[4 / 7, 8 / 7, 12 / 7], [4 / 7, 0, 0]]))
+    assert (w.sum() / mask.sum()).item() == pytest.approx(1.0)
+    torch.testing.assert_close(importance_weights(log_rho, mask, normalize=False),
+                               torch.tensor([[0.5, 1.0, 1.5], [0.5, 0, 0]]))
+    # masked IS drops 3.0 instead of clipping it: 0.5 1 0 | 0.5, mean 0.5
+    torch.testing.assert_close(importance_weights(log_rho, mask, mode="mask"),
+                               torch.tensor([[1.0, 2, 0], [1, 0, 0]]))
+    torch.testing.assert_close(importance_weights(log_rho, mask, cap=3.0, normalize=False),
+                               torch.tensor([[0.5, 1.0, 3.0], [0.5, 0, 0]]))
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0, 0, 1, 2, 2, 2, 2, 0, 0, 0, 3])
+    adv, stats = group_advantages(rewards, 4)
+    std2 = math.sqrt(9 / 4 - 0.75 ** 2)  # population std of 0 0 0 3
+    expected = [0.5 / 0.5001, -0.5 / 0.5001, -0.5 / 0.5001, 0.5 / 0.5001, 0, 0, 0, 0,
+                -0.75 / (std2 + 1e-4), -0.75 / (std2 + 1e-4), -0.75 / (std2 + 1e-4), 2.25 / (std2 + 1e-4)]
+    torch.testing.assert_close(adv, torch.tensor(expected))
+    assert stats == dict(groups=3, zero_std_groups=1)
+    adv, _ = group_advantages(rewards, 4, scale=False)  # Dr. GRPO
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0, -0.75, -0.75, -0.75, 2.25]))
+    # equal rewards whose float mean is inexact (0.1 + 0.1 + 0.1 != 0.3) still give exactly zero
+    adv, stats = group_advantages(torch.tensor([0.1, 0.1, 0.1], dtype=torch.float64), 3)
+    assert adv.tolist() == [0, 0, 0] and stats["zero_std_groups"] == 1
+
+
+def hand_loss_inputs():
+    """Response 0: A = +1, r = 1.5 0.5 1.0, w = 1 2 1.  Response 1: A = -1, r = 1.5 0.5 (third token padding)."""
+    r = torch.tensor([[1.5, 0.5, 1.0], [1.5, 0.5, 1.0]])
+    logp_old = torch.full((2, 3), math.log(0.4))
+    logp = (logp_old + r.log()).requires_grad_()
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    weights = torch.tensor([[1.0, 2, 1], [1, 1, 1]])
+    return logp, logp_old, torch.tensor([1.0, -1.0]), mask, weights
+
+
+def test_policy_loss_by_hand():
+    logp, logp_old, adv, mask, weights = hand_loss_inputs()
+    # max(-rA, -clip(r, 0.8, 1.2)A): resp 0 -> -1.2 (clipped), -0.5, -1 ; weighted -1.2 -1.0 -1.0
+    #                                resp 1 ->  1.5, 0.8 (clipped)
+    loss, stats = policy_loss(logp, logp_old, adv, mask, weights)
+    assert loss.item() == pytest.approx((-3.2 / 3 + 2.3 / 2) / 2, rel=1e-5)
+    assert stats["clip_frac"] == pytest.approx(2 / 5)
+    assert stats["weight_mean"] == pytest.approx(6 / 5)
+    assert stats["ratio_mean"] == pytest.approx(1.0, rel=1e-5)
+    assert (stats["tokens"], stats["responses"], stats["signal_tokens"]) == (5, 2, 5)
+    loss, _ = policy_loss(logp, logp_old, adv, mask, weights, agg="token-mean")
+    assert loss.item() == pytest.approx((-3.2 + 2.3) / 5, rel=1e-5)
+    # a third, fully rejected response is left out of the mean over responses, not counted as 0
+    pad = lambda x: torch.cat([x, torch.ones_like(x[:1])])
+    loss, stats = policy_loss(pad(logp), pad(logp_old), pad(adv), pad(mask) * torch.tensor([[1.0], [1], [0]]),
+                              pad(weights))
+    assert loss.item() == pytest.approx((-3.2 / 3 + 2.3 / 2) / 2, rel=1e-5) and stats["responses"] == 2
+    # clip-higher 0.6: r = 1.5 now lies inside [0.8, 1.6], resp 0 -> -1.5 -1.0 -1.0
+    loss, _ = policy_loss(logp, logp_old, adv, mask, weights, clip_high=0.6)
+    assert loss.item() == pytest.approx((-3.5 / 3 + 2.3 / 2) / 2, rel=1e-5)
+    # k3 KL with pi_ref = 2 pi_theta: 2 - 1 - ln 2 per token, added unweighted to every kept token
+    logp_ref = logp.detach() + LN2
+    loss, stats = policy_loss(logp, logp_old, adv, mask, weights, kl_coef=0.5, logp_ref=logp_ref)
+    assert stats["kl"] == pytest.approx(1 - LN2, rel=1e-5)
+    assert loss.item() == pytest.approx((-3.2 / 3 + 2.3 / 2) / 2 + 0.5 * (1 - LN2), rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- 3. gradients
+
+def random_batch(seed, N=4, T=6, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    logp = (-torch.rand(N, T, generator=g, dtype=dtype) * 3).requires_grad_()
+    lengths = torch.tensor([6, 3, 1, 5])[:N]
+    mask = (torch.arange(T) < lengths[:, None]).to(dtype)
+    adv = torch.randn(N, generator=g, dtype=dtype)
+    return logp, adv, mask, g
+
+
+def grad_of(loss, x):
+    return torch.autograd.grad(loss, x)[0]
+
+
+def test_policy_loss_on_policy_gradient_is_the_reinforce_gradient():
+    logp, adv, mask, _ = random_batch(0)
+    loss, stats = policy_loss(logp, logp.detach(), adv, mask)
+    assert stats["clip_frac"] == 0 and stats["ratio_mean"] == pytest.approx(1.0)
+    reference = (-(adv[:, None] * logp) * mask).sum(-1) / mask.sum(-1)
+    torch.testing.assert_close(grad_of(loss, logp), grad_of(reference.mean(), logp))
+    loss, _ = policy_loss(logp, logp.detach(), adv, mask, agg="token-mean")
+    reference = (-(adv[:, None] * logp) * mask).sum() / mask.sum()
+    torch.testing.assert_close(grad_of(loss, logp), grad_of(reference, logp))
+
+
+def test_policy_loss_weights_scale_and_rejection_zeroes_token_gradients():
+    logp, adv, mask, g = random_batch(1)
+    weights = torch.rand(mask.shape, generator=g) * 2
+    plain = grad_of(policy_loss(logp, logp.detach(), adv, mask)[0], logp)
+    weighted = grad_of(policy_loss(logp, logp.detach(), adv, mask, weights)[0], logp)
+    torch.testing.assert_close(weighted, weights * plain)
+    rejected = mask.clone()
+    rejected[0, 1] = rejected[0, 4] = rejected[3, 0] = 0
+    grad = grad_of(policy_loss(logp, logp.detach(), adv, rejected, weights)[0], logp)
+    assert grad[rejected == 0].eq(0).all() and grad[rejected > 0].ne(0).all()
+    # the loss does not even see a rejected token's log-prob
+    moved = logp.detach().clone()
+    moved[0, 1] -= 5.0
+    before = policy_loss(logp, logp.detach(), adv, rejected, weights)[0]
+    assert policy_loss(moved, logp.detach(), adv, rejected, weights)[0] == before
+
+
+@pytest.mark.parametrize("agg", ["seq-mean", "token-mean"])
+def test_policy_loss_gradient_matches_finite_differences(agg):
+    logp, adv, mask, g = random_batch(2, dtype=torch.float64)
+    # off-policy ratios away from the clip kinks at 0.8 and 1.2, so the loss is smooth around them
+    log_r = torch.tensor([-0.6, -0.3, -0.1, 0.05, 0.1, 0.4], dtype=torch.float64)
+    logp_old = logp.detach() - log_r[torch.randperm(24, generator=g) % 6].view(4, 6)
+    weights = torch.rand(4, 6, generator=g, dtype=torch.float64) + 0.5
+    logp_ref = logp.detach() + torch.randn(4, 6, generator=g, dtype=torch.float64) * 0.3
+    fn = lambda x: policy_loss(x, logp_old, adv, mask, weights, kl_coef=0.1, logp_ref=logp_ref, agg=agg)[0]
+    assert torch.autograd.gradcheck(fn, (logp,))
+
+
+# ----------------------------------------------------------------------------- 4. degenerate input
+
+def assert_zero_loss_and_gradient(logp, *args, **kwargs):
+    loss, stats = policy_loss(logp, *args, **kwargs)
+    grad = grad_of(loss, logp)
+    assert loss.item() == 0 and torch.isfinite(loss) and grad.eq(0).all()
+    return stats
+
+
+@pytest.mark.parametrize("agg", ["seq-mean", "token-mean"])
+def test_every_response_vetoed(agg):
+    logp, adv, mask, _ = random_batch(3)
+    log_rho = torch.full(mask.shape, -1000.0)
+    new_mask, stats = rejection_mask(log_rho, mask)
+    assert new_mask.sum() == 0 and stats["vetoed"] == 4 and stats["kept_tokens"] == 0
+    weights = importance_weights(log_rho, mask)
+    assert torch.isfinite(weights).all()
+    loss_stats = assert_zero_loss_and_gradient(logp, logp.detach(), adv, new_mask, weights, agg=agg)
+    assert loss_stats["tokens"] == 0 and loss_stats["responses"] == 0
+
+
+def test_whole_group_rejected_leaves_the_other_group_alone():
+    logp, _, mask, _ = random_batch(4)
+    log_rho = torch.zeros(mask.shape)
+    log_rho[0, 0] = log_rho[1, 2] = -1000.0          # group 0 (rows 0, 1) vetoed
+    adv, _ = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 2)  # from all rewards, before rejection
+    new_mask, stats = rejection_mask(log_rho, mask)
+    assert stats["vetoed"] == 2
+    loss, loss_stats = policy_loss(logp, logp.detach(), adv, new_mask, importance_weights(log_rho, mask))
+    grad = grad_of(loss, logp)
+    assert torch.isfinite(loss) and grad[:2].eq(0).all() and grad[2:][new_mask[2:] > 0].ne(0).all()
+    assert loss_stats["responses"] == 2
+
+
+def test_all_equal_rewards_give_no_signal():
+    logp, _, mask, _ = random_batch(5)
+    adv, stats = group_advantages(torch.full((4,), 0.7), 4)
+    assert stats["zero_std_groups"] == 1 and adv.eq(0).all()
+    loss_stats = assert_zero_loss_and_gradient(logp, logp.detach(), adv, mask)
+    assert loss_stats["signal_tokens"] == 0 and loss_stats["tokens"] == mask.sum()
+
+
+def test_extreme_log_rho_stays_finite():
+    logp, adv, mask, _ = random_batch(6)
+    log_rho = torch.full(mask.shape, 1000.0)
+    log_rho[::2] = -1000.0
+    new_mask, stats = rejection_mask(log_rho, mask)
+    assert new_mask.sum() == 0 and stats["vetoed"] == 2 and stats["rejected"] == 2
+    for mode in ("truncate", "mask"):
+        assert torch.isfinite(importance_weights(log_rho, mask, mode=mode)).all()
+    stats = mismatch_stats(logp.detach() + log_rho, logp.detach(), mask)
+    assert all(math.isfinite(v) for v in stats.values())
+    # a stale learner whose ratio r is e^{+-1000}: clamped, finite loss and gradient
+    loss, _ = policy_loss(logp, logp.detach() - log_rho, adv, mask)
+    assert torch.isfinite(loss) and torch.isfinite(grad_of(loss, logp)).all()
+
+
+@pytest.mark.parametrize("agg", ["seq-mean", "token-mean"])
+def test_empty_masks(agg):
+    logp, adv, mask, _ = random_batch(7)
+    empty = torch.zeros_like(mask)
+    with torch.no_grad():
+        logp[:, 3:] = float("-inf")  # garbage on padding must not leak
+    logp_ref = logp.detach() + 1.0
+    stats = mismatch_stats(logp.detach(), logp.detach() - 1.0, empty, torch.zeros(4, 6, 2), torch.zeros(4, 6, 2))
+    assert stats["tokens"] == 0 and all(v == 0 for v in stats.values())
+    new_mask, reject_stats = rejection_mask(torch.zeros_like(mask), empty)
+    assert new_mask.sum() == 0 and reject_stats == dict(vetoed=0, rejected=0, dropped_tokens=0, kept_tokens=0)
+    weights = importance_weights(torch.zeros_like(mask), empty)
+    assert weights.eq(0).all()
+    loss_stats = assert_zero_loss_and_gradient(logp, logp.detach(), adv, empty, weights, kl_coef=0.1,
+                                               logp_ref=logp_ref, agg=agg)
+    assert loss_stats["tokens"] == 0
+    # with the real mask, the -inf on padding still gives a finite loss and gradient
+    loss, stats = policy_loss(logp, logp.detach(), adv, mask * (torch.arange(6) < 3), kl_coef=0.1,
+                              logp_ref=logp_ref, agg=agg)
+    assert torch.isfinite(loss) and torch.isfinite(grad_of(loss, logp)).all()
+    assert all(math.isfinite(v) for v in stats.values())
+
+
+# ----------------------------------------------------------------------------- 5. dense re-scoring
+
+def test_dense_logprobs_equals_a_plain_forward_pass(tiny_llama):
+    rollouts, lengths = hand_rollouts()
+    logp, topk = dense_logprobs(tiny_llama, rollouts, batch_size=2, temperature=0.7, topk=True)
+    assert logp.shape == (3, 6) and topk.shape == (3, 6, 5)
+    with torch.no_grad():
+        for i, (prompt, length) in enumerate(zip(rollouts.prompts, lengths)):
+            response = rollouts.tokens[i, :length]
+            logits = tiny_llama(torch.tensor([prompt + response.tolist()])).logits[0]
+            logp_all = torch.log_softmax(logits[len(prompt) - 1:-1] / 0.7, dim=-1)      # [length, V]
+            torch.testing.assert_close(logp[i, :length], logp_all.gather(-1, response[:, None]).squeeze(-1),
+                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(topk[i, :length], logp_all.gather(-1, rollouts.topk_ids[i, :length]),
+                                       atol=1e-5, rtol=0)
+            assert logp[i, length:].eq(0).all()
+    # temperature 0 (greedy sampling) is scored at temperature 1
+    torch.testing.assert_close(dense_logprobs(tiny_llama, rollouts, 3, temperature=0.0),
+                               dense_logprobs(tiny_llama, rollouts, 1, temperature=1.0), atol=1e-5, rtol=0)
+
+
+def test_response_logprobs_has_gradient_and_matches_dense(tiny_llama):
+    rollouts, _ = hand_rollouts()
+    tiny_llama.zero_grad()
+    logp = response_logprobs(tiny_llama, rollouts)
+    logp.sum().backward()
+    torch.testing.assert_close(logp.detach(), dense_logprobs(tiny_llama, rollouts, 2), atol=1e-5, rtol=0)
+    assert tiny_llama.model.embed_tokens.weight.grad.abs().sum() > 0
+    tiny_llama.zero_grad()
+
+
+def test_dense_logprobs_matches_the_sampler_only_without_eviction(tiny_llama):
+    from kvcache import SparseConfig
+    from sampler import generate
+    prompts = [[1, 5, 7, 9, 11], [1, 9, 3], [2, 4, 6, 8, 10, 12, 14]]
+    full = generate(tiny_llama, prompts, SparseConfig("full"), max_new_tokens=40, temperature=0.8, seed=0,
+                    logprobs_topk=64)
+    logp, topk = dense_logprobs(tiny_llama, full, batch_size=2, temperature=0.8, topk=True)
+    real = full.mask > 0
+    assert (logp - full.logprobs)[real].abs().max() < 1e-4
+    assert mismatch_stats(logp, full.logprobs, full.mask, topk, full.topk_logprobs)["alpha_p05"] > 1 - 1e-4
+    snapkv = SparseConfig("snapkv", budget=8, window=2, sink=2, interval=1)
+    sparse = generate(tiny_llama, prompts, snapkv, max_new_tokens=40, temperature=0.8, seed=0, logprobs_topk=64)
+    assert sparse.stats["compressions"] > 0
+    logp, topk = dense_logprobs(tiny_llama, sparse, batch_size=2, temperature=0.8, topk=True)
+    real = sparse.mask > 0
+    assert (logp - sparse.logprobs)[real].abs().max() > 1e-2
+    assert mismatch_stats(logp, sparse.logprobs, sparse.mask, topk, sparse.topk_logprobs)["alpha_p05"] < 0.999
+
+
+# ----------------------------------------------------------------------------- 6. bad input
+
+Z = torch.zeros(2, 3)
+
+BAD_INPUT = [
+    (lambda: downsample(torch.zeros(8), 4, 5), "m must be .* got 5"),
+    (lambda: downsample(torch.zeros(8), 4, 0), "m must be .* got 0"),
+    (lambda: downsample(torch.zeros(8), 4, 2, rule="best"), "rule must be .* got 'best'"),
+    (lambda: downsample(torch.zeros(7), 4, 2), "7 rewards cannot be split into groups of group_size=4"),
+    (lambda: group_advantages(torch.zeros(6), 4), "6 rewards cannot be split into groups of group_size=4"),
+    (lambda: group_advantages(torch.zeros(2, 4), 4), r"flat \[N\] tensor, got shape \(2, 4\)"),
+    (lambda: group_advantages(torch.zeros(4), 0), "group_size must be a positive integer, got 0"),
+    (lambda: rejection_mask(Z, Z, low=1.5, high=0.5), "low < high .* low=1.5, high=0.5"),
+    (lambda: rejection_mask(Z, Z, low=1.0, high=1.0), "low=1.0, high=1.0"),
+    (lambda: rejection_mask(Z, torch.zeros(2, 4)), r"mask has shape \(2, 4\), expected \(2, 3\)"),
+    (lambda: rejection_mask(Z, Z, veto=-1.0), "veto must be >= 0 .* got -1.0"),
+    (lambda: rejection_mask(Z, Z, mode="seq"), "mode must be .* got 'seq'"),
+    (lambda: importance_weights(Z, Z, cap=0.0), "cap must be > 0, got 0.0"),
+    (lambda: importance_weights(Z, Z, cap=-2), "cap must be > 0, got -2"),
+    (lambda: importance_weights(Z, Z, mode="clip"), "mode must be .* got 'clip'"),
+    (lambda: importance_weights(Z, torch.zeros(3, 2)), r"mask has shape \(3, 2\)"),
+    (lambda: policy_loss(Z, Z, torch.zeros(3), Z), r"advantages has shape \(3,\)"),
+    (lambda: policy_loss(Z, torch.zeros(2, 4), torch.zeros(2), Z), r"logp_old has shape \(2, 4\)"),
+    (lambda: policy_loss(Z, Z, torch.zeros(2), Z, weights=torch.ones(2)), r"weights has shape \(2,\)"),
+    (lambda: policy_loss(Z, Z, torch.zeros(2), Z, agg="sum"), "agg must be .* got 'sum'"),
+    (lambda: policy_loss(Z, Z, torch.zeros(2), Z, clip=0), "clip=0"),
+    (lambda: policy_loss(Z, Z, torch.zeros(2), Z, kl_coef=0.1), "kl_coef=0.1 needs logp_ref"),
+    (lambda: acceptance(torch.zeros(2, 3, 4), torch.zeros(2, 3, 5)), r"topk_logp_b has shape \(2, 3, 5\)"),
+    (lambda: mismatch_stats(Z, torch.zeros(3), Z), r"logp_sparse has shape \(3,\)"),
+    (lambda: mismatch_stats(Z, Z, Z, topk_dense=torch.zeros(2, 3, 4)), "both topk_dense and topk_sparse"),
+]
+
+
+@pytest.mark.parametrize("call, message", BAD_INPUT)
+def test_bad_input_raises_a_clear_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_dense_logprobs_rejects_bad_input(tiny_llama):
+    rollouts, _ = hand_rollouts()
+    with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):
+        dense_logprobs(tiny_llama, rollouts, batch_size=0)
+    with pytest.raises(ValueError, match="temperature must be >= 0 .* got -1"):
+        dense_logprobs(tiny_llama, rollouts, temperature=-1)
+    broken = Rollouts(rollouts.prompts, rollouts.tokens, rollouts.mask[:, :4], rollouts.logprobs,
+                      rollouts.topk_logprobs, rollouts.topk_ids)
+    with pytest.raises(ValueError, match=r"mask has shape \(3, 4\), expected \(3, 6\)"):
+        dense_logprobs(tiny_llama, broken)
