@@ -1,0 +1,99 @@
+"""train.py end to end on a small warm-started toy model: metrics, checkpoints, resume, learning, errors."""
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import train
+
+# Short prompts (4-8 digits) so that a warm-up of 80 steps takes seconds; shared by the tests below.
+SMALL = ["--digits", "4", "8", "--warmup-steps", "80", "--max-new-tokens", "10", "--eval-size", "32",
+         "--prompts", "4", "--group-size", "4", "--minibatch", "8", "--budget", "10", "--interval", "2",
+         "--window", "2"]
+METRIC_KEYS = {"step", "reward", "accuracy", "rho_mean", "rho_min", "rho_p05", "kl_k1", "kl_k3", "alpha_mean",
+               "alpha_p05", "vetoed", "dropped_tokens", "mean_weight", "clip_frac", "peak_kv_bytes", "dense_kv_bytes",
+               "rollout_s", "scoring_s", "update_s", "loss", "zero_std_groups"}
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """A folder holding the cached warm-up of the small toy model (built once for the module)."""
+    out = tmp_path_factory.mktemp("warm")
+    args = train.parse_args(SMALL + ["--out", str(out)])
+    train.load_model(args, torch.device("cpu"), torch.float32)
+    return out / "warmup"
+
+
+def run_in(folder, warm, *argv):
+    """train.main in `folder`, starting from the shared warm-up; -> (model, final eval, metrics lines)."""
+    if not (folder / "warmup").exists():
+        shutil.copytree(warm, folder / "warmup")
+    model, final = train.main(SMALL + ["--out", str(folder), *argv])
+    lines = [json.loads(l) for l in (folder / "metrics.jsonl").read_text().splitlines()]
+    return model, final, lines
+
+
+def test_a_run_writes_every_metric_and_a_loadable_checkpoint(tmp_path, warm):
+    model, final, lines = run_in(tmp_path, warm, "--steps", "3", "--save-every", "2", "--ppo-epochs", "2")
+    assert [l["step"] for l in lines] == [1, 2, 3]
+    for line in lines:
+        assert METRIC_KEYS <= set(line)
+        assert line["peak_kv_bytes"] < line["dense_kv_bytes"]            # the budget evicted
+    assert any(l["loss"] != 0 for l in lines)                        # some group had a signal
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000002", "step-000003"]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "step-000003")
+    ids = torch.tensor([[1, 15, 7, 4, 9, 14]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert set(final) == {"step", "dense", "sparse"}
+
+
+def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path, warm):
+    _, _, straight = run_in(tmp_path / "straight", warm, "--steps", "4", "--save-every", "2", "--eval-every", "2")
+    run_in(tmp_path / "split", warm, "--steps", "2", "--save-every", "2")
+    _, _, resumed = run_in(tmp_path / "split", warm, "--steps", "4", "--save-every", "2", "--eval-every", "2",
+                           "--resume")
+    timing = {"rollout_s", "scoring_s", "update_s"}
+    strip = lambda lines: [{k: v for k, v in l.items() if k not in timing} for l in lines]
+    assert strip(resumed) == strip(straight)                          # steps 1-2 kept, 3-4 recomputed
+    evals = lambda name: (tmp_path / name / "eval.jsonl").read_text()
+    assert evals("split") == evals("straight")
+
+
+def test_dense_grpo_raises_the_reward(tmp_path, warm):
+    # 80 warm-up steps leave the sampled reward near 0.3: room to learn. Measured: 0.30 -> 0.41 (first and last 20 steps).
+    _, _, lines = run_in(tmp_path, warm, "--policy", "full", "--steps", "60", "--prompts", "8", "--group-size", "8",
+                         "--minibatch", "64", "--lr", "5e-5", "--eval-every", "60")
+    mean = lambda ls: sum(l["reward"] for l in ls) / len(ls)
+    assert mean(lines[-20:]) > mean(lines[:20]) + 0.05, (mean(lines[:20]), mean(lines[-20:]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data", "missing.jsonl", "--model", "x/y"], "data file 'missing.jsonl' does not exist"),
+    (["--group-size", "1"], "--group-size must be >= 2"),
+    (["--group-size", "4", "--keep", "6"], "--keep m must lie in \\[1, group size n=4\\], got 6"),
+    (["--model", "./no/such/folder"], "model './no/such/folder' is neither an existing folder nor a hub id"),
+    (["--budget", "3", "--window", "2", "--sink", "2"], "budget=3 must be >= window \\+ sink"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+])
+def test_bad_input_is_one_clear_line_before_training(tmp_path, argv, message):
+    with pytest.raises(SystemExit, match=message) as exit_info:
+        train.main(argv + ["--out", str(tmp_path / "run")])
+    assert str(exit_info.value).startswith("error: ") and "\n" not in str(exit_info.value)
+    assert not (tmp_path / "run" / "warmup").exists()                 # nothing was trained
+
+
+def test_malformed_data_file_names_file_and_line(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": oops}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl.*line 2"):
+        train.main(["--data", str(data), "--model", str(tmp_path), "--out", str(tmp_path / "run")])
+
+
+@pytest.mark.parametrize("argv", [["--task", "count"], ["--policy", "lru"]])
+def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(argv)
+    assert "invalid choice" in capsys.readouterr().err
