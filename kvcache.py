@@ -77,6 +77,8 @@ class Layer:
     pos           [B, H_kv, S]     absolute position of each kept slot; -1 marks left padding
     acc           [B, H_kv, S]     attention each slot has received so far (H2O)
     queries       [B, H, W, D]     the last `window` queries (SnapKV, R-KV), query_pos [B, W]
+    holes         bool             whether any kept slot is invalid (pos -1); if not, a decode
+                                   step needs no attention mask at all
     Slots stay in position order, so pooling along slots is pooling along the sequence.
     """
 
@@ -88,6 +90,7 @@ class Layer:
         self.acc_buf = torch.zeros(B, H, capacity, dtype=torch.float32, device=key.device)
         self.queries, self.query_pos = None, None
         self.size, self.scaling, self.rng = 0, None, rng  # scaling: set by the hook
+        self.holes = False
 
     keys = property(lambda self: self.k_buf[:, :, : self.size])
     values = property(lambda self: self.v_buf[:, :, : self.size])
@@ -125,6 +128,7 @@ class Layer:
         self.pos_buf[:, :, :n] = self.pos.gather(2, index).masked_fill(~kept, -1)
         self.acc_buf[:, :, :n] = self.acc.gather(2, index)
         self.size = n
+        self.holes = bool((self.pos < 0).any())   # one check per compression, not per step
 
 
 # ----------------------------------------------------------------------------- scoring policies
@@ -229,30 +233,47 @@ def keep_indices(scores, pos, budget, window, due):
     return index, kept.expand_as(ranked).gather(-1, order)
 
 
+def compress(layer, sparse, due):
+    """Score the layer's slots with the policy and keep, in every `due` [B] row, its best `budget`."""
+    scores = SCORERS[sparse.policy](layer, sparse)
+    layer.keep(*keep_indices(scores, layer.pos, sparse.budget, sparse.window, due))
+
+
 # ----------------------------------------------------------------------------- attention
 
-def attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=None, need_weights=False):
+def attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=None, need_weights=False,
+              masked=True):
     """Attend queries [B, H, q, D] over kept slots [B, H_kv, S, D]; -> ([B, H, q, D], weights or None).
 
+    Grouped-query attention without copies: the G = H / H_kv query heads that share a KV head
+    become G * q query rows of that head, so each kept key is read once per group (not once per
+    query head) and a mask made per KV head serves its whole group. `weights` are [B, H_kv, G * q, S].
     The mask comes from positions alone: a query at position p sees the valid keys at
     positions <= p (and > p - sliding_window for Mistral-style models). Padding queries
-    (position -1) see every slot so their (unused) output stays finite.
+    (position -1) see every slot so their (unused) output stays finite. `masked=False` says
+    the caller knows every slot is visible to every query (a decode step over real tokens).
     """
-    kp, qp = key_pos[:, :, None, :], query_pos[:, None, :, None]       # [B, H_kv, 1, S], [B, 1, q, 1]
-    allowed = (kp >= 0) & (kp <= qp)
-    if sliding_window is not None:
-        allowed &= kp > qp - sliding_window
-    allowed |= qp < 0
-    group_size = query.shape[1] // keys.shape[1]
-    allowed = allowed.repeat_interleave(group_size, dim=1)            # [B, H, q, S]
-    if not need_weights:
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scaling,
-                                             enable_gqa=True)
-        return out, None
-    keys, values = keys.repeat_interleave(group_size, 1), values.repeat_interleave(group_size, 1)
-    logits = (query @ keys.transpose(-1, -2)).float() * scaling
-    weights = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
-    return weights.to(values.dtype) @ values, weights
+    B, H, q, D = query.shape
+    G = H // keys.shape[1]
+    rows = query.unflatten(1, (-1, G)).flatten(2, 3)                  # [B, H_kv, G * q, D]
+    allowed = None
+    if masked:
+        kp, qp = key_pos[:, :, None, :], query_pos[:, None, :, None]   # [B, H_kv, 1, S], [B, 1, q, 1]
+        allowed = (kp >= 0) & (kp <= qp)
+        if sliding_window is not None:
+            allowed &= kp > qp - sliding_window
+        allowed |= qp < 0                                             # [B, H_kv, q, S]
+        allowed = allowed[:, :, None].expand(-1, -1, G, -1, -1).flatten(2, 3)   # [B, H_kv, G * q, S]
+    if need_weights:
+        logits = (rows @ keys.transpose(-1, -2)).float() * scaling
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        weights = logits.softmax(-1)
+        out = weights.to(values.dtype) @ values
+    else:
+        weights = None
+        out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=allowed, scale=scaling)
+    return out.unflatten(2, (G, q)).flatten(1, 2), weights            # [B, H, q, D]
 
 
 class KVCache(Cache):
@@ -271,7 +292,7 @@ class KVCache(Cache):
         self.sparse, self.num_layers, self.max_new_tokens = sparse, num_layers, max_new_tokens
         self.rng = None if sparse.policy != "random" else torch.Generator().manual_seed(seed)
         self.history = [[] for _ in range(num_layers)] if record else None
-        self.step_pos, self.row_tokens, self.due = None, 0, None
+        self.step_pos, self.row_tokens, self.due, self.compressing, self.padded = None, 0, None, False, False
         self.compressions, self.peak_kv_tokens, self.dense_kv_tokens, self.bytes_per_slot = 0, 0, 0, 0
 
     def start_step(self, positions):
@@ -287,7 +308,9 @@ class KVCache(Cache):
         over = self.row_tokens - sparse.budget
         self.due = (over > 0) & (over >= sparse.interval) & decode & (sparse.policy != "full")
         self.row_tokens = torch.where(self.due, sparse.budget, self.row_tokens)
-        self.compressions += int(self.due.any())
+        # Two host-side flags, decided once per step rather than once per layer.
+        self.compressing, self.padded = bool(self.due.any()), bool((positions < 0).any())
+        self.compressions += int(self.compressing)
         self.dense_kv_tokens += positions.shape[1]
         self.peak_kv_tokens = max(self.peak_kv_tokens, self.kv_tokens + positions.shape[1])
 
@@ -305,6 +328,7 @@ class KVCache(Cache):
             self.bytes_per_slot += 2 * key_states[:, :, :1].numel() * key_states.element_size()
         layer = self.layers[layer_idx]
         layer.append(key_states, value_states, self.step_pos)
+        layer.holes = layer.holes or self.padded
         return layer.keys, layer.values
 
     def attend(self, layer_idx, query, scaling, sliding_window=None):
@@ -313,14 +337,16 @@ class KVCache(Cache):
         layer.scaling = scaling
         if sparse.policy in ("snapkv", "rkv"):
             layer.remember(query, self.step_pos, sparse.window)
-        if self.due.any():
-            scores = SCORERS[sparse.policy](layer, sparse)
-            layer.keep(*keep_indices(scores, layer.pos, sparse.budget, sparse.window, self.due))
+        if self.compressing:
+            compress(layer, sparse, self.due)
+        # A decode step over real earlier tokens only sees every slot: no mask to build or apply.
+        masked = query.shape[2] > 1 or layer.holes or sliding_window is not None
         out, weights = attention(query, layer.keys, layer.values, layer.pos, self.step_pos, scaling,
-                                 sliding_window, need_weights=sparse.policy == "h2o")
+                                 sliding_window, need_weights=sparse.policy == "h2o", masked=masked)
         if weights is not None:  # H2O: every query's attention adds to what each key has received
-            weights = weights * (self.step_pos >= 0)[:, None, :, None]
-            layer.acc_buf[:, :, : layer.size] += group(weights.sum(2), layer.keys.shape[1], sparse.gqa)
+            weights = weights.unflatten(2, (-1, query.shape[2])) * (self.step_pos >= 0)[:, None, None, :, None]
+            received = weights.sum(3).flatten(1, 2)                    # [B, H, S], summed over the queries
+            layer.acc_buf[:, :, : layer.size] += group(received, layer.keys.shape[1], sparse.gqa)
         if self.history is not None:
             self.history[layer_idx].append(layer.pos.clone())
         return out

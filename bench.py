@@ -1,0 +1,442 @@
+"""What sparse rollouts save and cost, measured side by side on this machine (issue 6).
+
+    python bench.py                  # the full measurement (CPU: about 25 minutes on 2 cores)
+    python bench.py --quick          # the same code on a tiny model, in seconds (tests/test_bench.py)
+    python bench.py --out results/bench.json --repeats 3
+
+One run measures, on whatever device is present, and prints five markdown tables plus a JSON file:
+1. Throughput: generated tokens per second of Hugging Face `model.generate` (its default dynamic
+   cache), our sampler with the full cache, and our sampler with each eviction policy (budget 256,
+   interval 128), on a random Llama with grouped-query attention. Each is the median of `--repeats`
+   rounds after a warm-up; a round runs every sampler once, back to back (every other round in
+   reverse order), so a disturbance (another job on the machine) hits all of them alike. "vs HF"
+   and "vs dense" divide those medians. Keep the machine otherwise idle: with every core busy,
+   a second job stalls PyTorch's threads and can slow a run several times over.
+2. Memory: the peak KV cache of each run, checked against `2 * layers * kv_heads * head_dim * tokens
+   * bytes * batch`, and as a fraction of the dense cache.
+3. Scaling: decode time per token around each context length, from per-step timestamps of one long
+   rollout: the dense cache grows with the context, an evicting cache stays flat.
+4. Overheads: time spent choosing what to evict (scoring + keeping, timed around `kvcache.compress`
+   and the window-query bookkeeping) as a share of decode time; rejection + weights + down-sampling
+   against one training step; dense re-scoring (pi_old) against the rollout it re-scores.
+5. The limit: the measured matrix-multiply FLOP/s and copy bandwidth, and how much of each our dense
+   decode achieves. Decode on a CPU is bound by memory traffic (weights + KV cache per step).
+Timings are measurements, never assertions: no test checks a speed.
+"""
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvcache
+from kvcache import SparseConfig
+from sampler import generate
+
+FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, batch=8, prompt=256, new=2048,
+            long_new=4096, budget=256, interval=128, repeats=3, long_repeats=1, contexts=(512, 1024, 2048, 4096),
+            mm=2048, keep=4)
+QUICK = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, batch=4, prompt=16, new=48,
+             long_new=120, budget=16, interval=8, repeats=2, long_repeats=1, contexts=(32, 64, 128), mm=256, keep=2)
+# The eviction policies compared; "blocktopk" (Sparrow, METHOD.md section 3) joins as soon as kvcache has it.
+EVICTION = [p for p in ("streaming", "h2o", "snapkv", "rkv", "blocktopk") if p in kvcache.POLICIES]
+LONG_POLICY = "snapkv"   # the eviction policy of the long rollout (scaling, 4096 + 256 target)
+HF = "HF generate"
+START = time.perf_counter()
+
+
+def log(message):
+    """Progress on stderr (the tables go to stdout), with the seconds since start."""
+    print(f"[{time.perf_counter() - START:6.0f} s] {message}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- the model and the runs
+
+def build_model(s):
+    """A random Llama-family model shaped like a small real one (the hook for a `--model` option)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
+                         num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                         num_key_value_heads=s["kv_heads"], max_position_embeddings=s["prompt"] + s["long_new"])
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None   # a random model has no end token: every run is full length
+    return model
+
+
+def cpu_jiffies():
+    """(busy jiffies of the whole machine, of this process), or None where /proc is missing (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+        return sum(fields) - fields[3] - fields[4], int(own[11]) + int(own[12])   # minus idle, iowait
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@contextmanager
+def others_load():
+    """Cores that other processes kept busy, on average, during the block (the disturbance of a run)."""
+    load, before, start = [None], cpu_jiffies(), time.perf_counter()
+    try:
+        yield load
+    finally:
+        after, seconds = cpu_jiffies(), time.perf_counter() - start
+        if before and after and seconds >= 1:   # shorter blocks are below the clock tick's resolution
+            ticks = os.sysconf("SC_CLK_TCK") * seconds
+            load[0] = max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / ticks)
+
+
+@contextmanager
+def step_clock(model):
+    """Timestamps of every forward pass (prefill, then one per decode step), for HF and for us alike."""
+    stamps = []
+    handle = model.register_forward_pre_hook(lambda *args: stamps.append(time.perf_counter()))
+    try:
+        yield stamps
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def eviction_clock():
+    """Seconds spent in `kvcache.compress` (score + keep) and `Layer.remember` (window queries).
+
+    A plain timing wrapper: on a CPU every op finishes before the call returns, so wall time is exact.
+    """
+    spent = [0.0]
+
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+        return wrapper
+
+    compress, remember = kvcache.compress, kvcache.Layer.remember
+    kvcache.compress, kvcache.Layer.remember = timed(compress), timed(remember)
+    try:
+        yield spent
+    finally:
+        kvcache.compress, kvcache.Layer.remember = compress, remember
+
+
+def run_hf(model, ids, new):
+    """Hugging Face greedy `generate` of exactly `new` tokens -> dict of tokens, seconds, KV bytes."""
+    with torch.inference_mode(), others_load() as others, step_clock(model) as stamps:
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                             min_new_tokens=new, pad_token_id=0, return_dict_in_generate=True)
+        seconds = time.perf_counter() - start
+    kv = out.past_key_values   # a dynamic cache only grows: its final size is its peak
+    kv_bytes = sum(t.numel() * t.element_size() for layer in kv.layers for t in (layer.keys, layer.values))
+    return dict(tokens=out.sequences[:, ids.shape[1]:], seconds=seconds, prefill=stamps[1] - stamps[0],
+                peak_kv_tokens=kv.get_seq_length(), peak_kv_bytes=kv_bytes, evict_seconds=None, stamps=None,
+                others=others[0])
+
+
+def run_ours(model, prompts, policy, new, s, interval=None):
+    """Our sampler, greedy, exactly `new` tokens -> dict like `run_hf` plus eviction time and step stamps."""
+    sparse = SparseConfig(policy, budget=s["budget"], interval=interval or s["interval"])
+    with others_load() as others, eviction_clock() as spent, step_clock(model) as stamps:
+        start = time.perf_counter()
+        out = generate(model, prompts, sparse, max_new_tokens=new, temperature=0)
+        end = time.perf_counter()
+    assert out.tokens.shape[1] == new, "every run must generate exactly the requested tokens"
+    return dict(tokens=out.tokens, seconds=end - start, prefill=stamps[1] - stamps[0], rollouts=out,
+                peak_kv_tokens=out.stats["peak_kv_tokens"], peak_kv_bytes=out.stats["peak_kv_bytes"],
+                evict_seconds=spent[0], stamps=stamps + [end], others=others[0])
+
+
+def median_run(runs):
+    """One summary of repeated runs: median seconds; tokens, cache sizes and stamps from the first."""
+    summary = dict(runs[0])
+    summary["seconds"] = statistics.median(r["seconds"] for r in runs)
+    summary["all_seconds"] = [r["seconds"] for r in runs]
+    summary["all_others"] = [r["others"] for r in runs]
+    if runs[0]["evict_seconds"] is not None:  # share of decode time, median over the rounds
+        summary["evict_share"] = statistics.median(r["evict_seconds"] / (r["seconds"] - r["prefill"]) for r in runs)
+    return summary
+
+
+# ----------------------------------------------------------------------------- the five measurements
+
+def throughput(model, ids, s, repeats):
+    """Section 1: every sampler once per round, `repeats` rounds after a short warm-up of each."""
+    prompts = ids.tolist()
+    names = [HF, "full"] + EVICTION
+    run = lambda name, new: run_hf(model, ids, new) if name == HF else run_ours(model, prompts, name, new, s)
+    for name in names:
+        run(name, min(32, s["new"]))
+    rounds = []
+    for i in range(repeats):   # every other round runs in reverse order, so a slow drift of the machine
+        order = names if i % 2 == 0 else names[::-1]            # does not always hit the same sampler
+        log(f"throughput round {i + 1} of {repeats}: {', '.join(order)}")
+        rounds.append({name: run(name, s["new"]) for name in order})
+    results = {name: median_run([r[name] for r in rounds]) for name in names}
+    long_rounds = []
+    for i in range(s["long_repeats"]):
+        log(f"long rollout round {i + 1} of {s['long_repeats']}: full, {LONG_POLICY}, {s['long_new']} new tokens")
+        long_rounds.append({name: run(name, s["long_new"]) for name in ("full", LONG_POLICY)})
+    long = {name: median_run([r[name] for r in long_rounds]) for name in ("full", LONG_POLICY)}
+    return results, long
+
+
+def scaling(long, s):
+    """Section 3: mean decode time per token over the `interval` steps whose context ends at each length.
+
+    Decode step i (i >= 1) feeds one token with prompt + i tokens cached; its time runs from its own
+    forward pass to the next one (sampling included). An interval-long window holds exactly one
+    compression of the evicting cache, so the cost of choosing is spread as it is in a rollout.
+    """
+    table = []
+    for context in s["contexts"]:
+        row = dict(context=context)
+        for name, run in long.items():
+            stamps, first = run["stamps"], context - s["interval"] - s["prompt"] + 1
+            steps = [stamps[i + 1] - stamps[i] for i in range(max(first, 1), context - s["prompt"] + 1)]
+            row[name] = 1e3 * statistics.mean(steps) / s["batch"] if steps else float("nan")
+        row["ratio"] = row["full"] / row[LONG_POLICY]
+        table.append(row)
+    return table
+
+
+def kv_formula(s, tokens, bytes_per_value=4):
+    """Section 2: 2 (K and V) * layers * kv_heads * head_dim * tokens * bytes * batch."""
+    return 2 * s["layers"] * s["kv_heads"] * (s["hidden"] // s["heads"]) * tokens * bytes_per_value * s["batch"]
+
+
+def overheads(model, rollouts, dense_seconds, rollout_seconds, s, repeats=50):
+    """Section 4: correction vs one training step, and dense re-scoring vs the rollout it re-scores.
+
+    One training step here is the learner's part only (re-score the kept rollouts densely, forward
+    with grad, loss, backward, AdamW step), not the rollout: the smallest honest denominator.
+    """
+    try:
+        from correction import (dense_logprobs, downsample, group_advantages, importance_weights,
+                                policy_loss, rejection_mask, response_logprobs)
+    except ImportError:   # correction.py has not landed: the rows say TODO
+        return dict(todo="correction.py is missing: rejection + weights + down-sampling not measured")
+    start = time.perf_counter()
+    logp_old = dense_logprobs(model, rollouts, batch_size=s["batch"])
+    rescore = time.perf_counter() - start
+    rewards = torch.rand(len(rollouts), generator=torch.Generator().manual_seed(0)).round()  # 0/1, one group
+
+    def correct():   # the cheap stages of a step: down-sample, advantages, reject, reweight
+        keep = downsample(rewards, len(rollouts), s["keep"])
+        advantages, _ = group_advantages(rewards[keep], s["keep"])
+        log_rho = logp_old[keep] - rollouts.logprobs[keep]
+        mask, _ = rejection_mask(log_rho, rollouts.mask[keep])
+        return keep, advantages, mask, importance_weights(log_rho, rollouts.mask[keep])
+
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        keep, advantages, mask, weights = correct()
+        times.append(time.perf_counter() - start)
+    learner = copy.deepcopy(model).train()   # the step changes weights; the measured model stays as it was
+    optimizer = torch.optim.AdamW(learner.parameters(), lr=1e-6)
+    kept = rollouts.select(keep)
+    start = time.perf_counter()
+    old = dense_logprobs(learner, kept, batch_size=s["batch"])
+    loss, _ = policy_loss(response_logprobs(learner, kept), old, advantages, mask, weights)
+    loss.backward()
+    optimizer.step()
+    step = time.perf_counter() - start
+    return dict(correction_seconds=statistics.median(times), train_step_seconds=step, rescore_seconds=rescore,
+                rescore_vs_dense_rollout=rescore / dense_seconds, rescore_vs_rollout=rescore / rollout_seconds)
+
+
+def limit(s, dense, n=None, repeats=5):
+    """Section 5: measured mm FLOP/s and copy bandwidth, and our dense decode's share of each.
+
+    FLOPs are counted as 2 per multiply-add of the matrix products only: 2 * (weights of every
+    linear layer, the output layer included) per token, plus 4 * layers * heads * head_dim * context
+    per token for attention (q.k and p.v). Norms, rotary, softmax and sampling are not counted.
+    Bytes: every step reads all linear weights once and the whole KV cache once.
+    """
+    n = n or s["mm"]
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    mm = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        mm.append(2 * n ** 3 / (time.perf_counter() - start))
+    big = torch.randn(32 * n * n)
+    out = torch.empty_like(big)
+    out.copy_(big)
+    bandwidth = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out.copy_(big)
+        bandwidth.append(2 * big.numel() * 4 / (time.perf_counter() - start))
+    L, H, D, B = s["layers"], s["heads"], s["hidden"] // s["heads"], s["batch"]
+    linear = L * (2 * s["hidden"] ** 2 + 2 * s["hidden"] * s["kv_heads"] * D + 3 * s["hidden"] * s["ffn"])
+    linear += s["hidden"] * s["vocab"]
+    fed = s["prompt"] + s["new"] - 1                       # every token but the last passes the model once
+    flops = B * (2 * linear * fed + 4 * L * H * D * fed * (fed + 1) / 2)
+    traffic = s["new"] * 4 * linear + sum(kv_formula(s, c) for c in range(s["prompt"], fed + 1))
+    return dict(mm_flops=statistics.median(mm), copy_bytes_per_s=statistics.median(bandwidth),
+                decode_flops=flops / dense["seconds"], flops_per_token=2 * linear + 4 * L * H * D * (fed + 1) / 2,
+                decode_bytes_per_s=traffic / dense["seconds"])
+
+
+# ----------------------------------------------------------------------------- the report
+
+def md(header, rows):
+    """A markdown table from a header list and rows of already formatted cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def report(s, results, long, scale, over, lim, wall, machine):
+    """Build the printed tables and the JSON record from the measurements."""
+    B, new = s["batch"], s["new"]
+    speed = {name: B * new / r["seconds"] for name, r in results.items()}
+    long_speed = {name: B * s["long_new"] / r["seconds"] for name, r in long.items()}
+    hf_tokens = results[HF]["tokens"]
+    dense_bytes = results["full"]["peak_kv_bytes"]
+    rows, memory, record = [], [], dict(settings={k: v for k, v in s.items()}, machine=machine, throughput={})
+    for name, r in results.items():
+        same = "-" if name == HF else f"{(r['tokens'] == hf_tokens).float().mean().item():.3f}"
+        share = f"{100 * r['evict_share']:.1f} %" if name not in (HF, "full") else "-"
+        label = name if name == HF else f"ours {name}"
+        rows.append([label, f"{speed[name]:.1f}", f"{speed[name] / speed[HF]:.2f}x", f"{speed[name] / speed['full']:.2f}x",
+                     f"{r['peak_kv_bytes'] / dense_bytes:.3f}", share, same])
+        formula = kv_formula(s, r["peak_kv_tokens"])
+        memory.append([label, r["peak_kv_tokens"], f"{r['peak_kv_bytes'] / 2**20:.2f}", f"{formula / 2**20:.2f}",
+                       "yes" if formula == r["peak_kv_bytes"] else "NO", f"{r['peak_kv_bytes'] / dense_bytes:.3f}"])
+        record["throughput"][name] = dict(tokens_per_s=speed[name], vs_hf=speed[name] / speed[HF],
+                                          vs_dense=speed[name] / speed["full"], seconds=r["all_seconds"],
+                                          peak_kv_tokens=r["peak_kv_tokens"], peak_kv_bytes=r["peak_kv_bytes"],
+                                          kv_formula_bytes=formula, evict_share=r.get("evict_share"),
+                                          others_load=r["all_others"],
+                                          same_tokens_as_hf=None if name == HF else bool(torch.equal(r["tokens"], hf_tokens)))
+    for name, r in long.items():
+        rows.append([f"ours {name}, {s['long_new']} new", f"{long_speed[name]:.1f}", "-",
+                     f"{long_speed[name] / long_speed['full']:.2f}x", f"{r['peak_kv_bytes'] / long['full']['peak_kv_bytes']:.3f}",
+                     f"{100 * r['evict_share']:.1f} %" if name != "full" else "-", "-"])
+    record["long"] = {name: dict(tokens_per_s=long_speed[name], vs_dense=long_speed[name] / long_speed["full"],
+                                 seconds=r["all_seconds"], peak_kv_bytes=r["peak_kv_bytes"], others_load=r["all_others"])
+                      for name, r in long.items()}
+    # Runs during which other processes kept a tenth of a core or more busy: their times are suspect.
+    disturbed = [f"{name} {i + 1} ({load:.1f})" for group in (results, long) for name, r in group.items()
+                 for i, load in enumerate(r["all_others"]) if load is not None and load >= 0.1]
+    record["disturbed_runs"] = disturbed
+    record.update(scaling=scale, overheads=over, limit=lim, wall_seconds=wall)
+    tables = [f"Machine: {machine}. Model: random Llama, {s['layers']} layers, {s['hidden']} wide, {s['heads']} heads / "
+              f"{s['kv_heads']} KV heads, vocabulary {s['vocab']}, fp32. Batch {B}, prompt {s['prompt']}, greedy; "
+              f"eviction budget {s['budget']}, interval {s['interval']}.",
+              f"### 1. Throughput ({new} new tokens, median of {s['repeats']} rounds; long rows: {s['long_new']} new, "
+              f"{s['long_repeats']} round)",
+              md(["sampler", "tokens/s", "vs HF", "vs dense", "peak KV vs dense", "choosing what to evict", "same tokens as HF"], rows),
+              "Runs disturbed by other processes (run number, cores they kept busy): " + (", ".join(disturbed) or "none")
+              + (". Rerun on an idle machine before trusting the ratios." if disturbed else "."),
+              "### 2. Memory: peak KV cache, checked against 2 * layers * kv_heads * head_dim * tokens * 4 bytes * batch",
+              md(["cache", "peak tokens", "peak MiB", "formula MiB", "match", "vs dense"], memory),
+              f"### 3. Scaling: decode ms per token, mean over the {s['interval']} steps up to each context",
+              md(["context", "dense", LONG_POLICY, "dense / " + LONG_POLICY],
+                 [[r["context"], f"{r['full']:.3f}", f"{r[LONG_POLICY]:.3f}", f"{r['ratio']:.2f}x"] for r in scale])]
+    if "todo" in over:
+        over_rows = [["TODO rejection + weights + down-sampling", "-", "-", over["todo"]]]
+    else:
+        step = over["train_step_seconds"]
+        over_rows = [["rejection + weights + down-sampling", f"{1e3 * over['correction_seconds']:.3f} ms",
+                      f"one training step {step:.2f} s", f"{100 * over['correction_seconds'] / step:.4f} %"],
+                     ["dense re-scoring (pi_old) of the batch", f"{over['rescore_seconds']:.2f} s",
+                      f"the {LONG_POLICY} rollout, the dense rollout", f"{over['rescore_vs_rollout']:.2f}x, "
+                      f"{over['rescore_vs_dense_rollout']:.2f}x"]]
+    for name in EVICTION:
+        over_rows.append([f"choosing what to evict, {name}, interval {s['interval']}", "-", "decode time",
+                          f"{100 * results[name]['evict_share']:.1f} %"])
+    for name, share in over.get("interval_1", {}).items():
+        over_rows.append([f"choosing what to evict, {name}, interval 1 ({s['new'] // 4} new)", "-", "decode time",
+                          f"{100 * share:.1f} %"])
+    tables += ["### 4. Overheads", md(["what", "time", "against", "share"], over_rows),
+               "### 5. The limit (FLOPs: matrix products only; bytes: all weights + the whole KV cache per step)",
+               md(["measure", "machine", "our dense decode", "fraction"],
+                  [[f"matmul FLOP/s (torch.mm {s['mm']}^3, fp32)", f"{lim['mm_flops'] / 1e9:.1f} G",
+                    f"{lim['decode_flops'] / 1e9:.2f} G ({lim['flops_per_token'] / 1e6:.1f} MFLOP/token)",
+                    f"{100 * lim['decode_flops'] / lim['mm_flops']:.1f} %"],
+                   ["memory bytes/s (tensor copy)", f"{lim['copy_bytes_per_s'] / 1e9:.1f} G",
+                    f"{lim['decode_bytes_per_s'] / 1e9:.1f} G", f"{100 * lim['decode_bytes_per_s'] / lim['copy_bytes_per_s']:.1f} %"]])]
+    worst = min(EVICTION, key=lambda n: speed[n])
+    targets = [["dense >= 1.0x HF generate, same tokens", f"{speed['full'] / speed[HF]:.2f}x, tokens equal: "
+                f"{record['throughput']['full']['same_tokens_as_hf']}"],
+               [f"eviction >= 1.5x dense at {s['prompt']}+{new} (slowest: {worst})", f"{speed[worst] / speed['full']:.2f}x"],
+               [f"peak KV <= ({s['budget']}+{s['interval']})/{s['prompt'] + new} of dense",
+                f"{max(results[n]['peak_kv_tokens'] for n in EVICTION)} of {results['full']['peak_kv_tokens']} tokens = "
+                f"{max(results[n]['peak_kv_bytes'] for n in EVICTION) / dense_bytes:.4f} (bound "
+                f"{(s['budget'] + s['interval']) / (s['prompt'] + new):.4f}; dense never feeds its last token)"],
+               [f"{LONG_POLICY} >= 2x dense at {s['prompt']}+{s['long_new']}", f"{long_speed[LONG_POLICY] / long_speed['full']:.2f}x"],
+               [f"choosing < 10 % of decode at interval {s['interval']} (max)",
+                f"{100 * max(results[n]['evict_share'] for n in EVICTION):.1f} %"],
+               ["rejection + weights + down-sampling < 1 % of a step",
+                "TODO" if "todo" in over else f"{100 * over['correction_seconds'] / over['train_step_seconds']:.4f} %"]]
+    tables += ["### Targets", md(["target", "measured"], targets), f"Total wall time: {wall:.0f} s."]
+    record["targets"] = dict(targets)
+    return "\n\n".join(tables), record
+
+
+def cpu_name():
+    """The device the numbers belong to: the GPU if there is one, else the CPU model and core count."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = "CPU"
+    return f"{name} ({os.cpu_count()} cores)"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny model, seconds instead of minutes")
+    parser.add_argument("--out", default=None, help="where the JSON record goes "
+                        "(default results/bench.json, or results/bench_quick.json with --quick)")
+    parser.add_argument("--repeats", type=int, default=None, help="rounds of the throughput runs (median)")
+    args = parser.parse_args(argv)
+    s = dict(QUICK if args.quick else FULL)
+    s["repeats"] = args.repeats or s["repeats"]
+    wall = time.perf_counter()
+    machine = f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    model = build_model(s)
+    ids = torch.randint(1, s["vocab"], (s["batch"], s["prompt"]), generator=torch.Generator().manual_seed(1))
+    results, long = throughput(model, ids, s, s["repeats"])
+    scale = scaling(long, s)
+    log("overheads: dense re-scoring, correction, one training step")
+    over = overheads(model, results[LONG_POLICY]["rollouts"], results["full"]["seconds"],
+                     results[LONG_POLICY]["seconds"], s)
+    # Interval 1 compresses at every step once over budget: a quarter of the rollout already shows
+    # that steady state, at a quarter of the cost.
+    over["interval_1"] = {}
+    for name in ("snapkv", "rkv"):   # the policies whose choice costs real work at every compression
+        if name in EVICTION:
+            log(f"{name} at interval 1")
+            r = run_ours(model, ids.tolist(), name, s["new"] // 4, s, interval=1)
+            over["interval_1"][name] = r["evict_seconds"] / (r["seconds"] - r["prefill"])
+    log("the limit: torch.mm and copy bandwidth")
+    lim = limit(s, results["full"])
+    text, record = report(s, results, long, scale, over, lim, time.perf_counter() - wall, machine)
+    record["table"] = text
+    print(text)
+    out = args.out or ("results/bench_quick.json" if args.quick else "results/bench.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(record, f, indent=1, default=str)
+    return record
+
+
+if __name__ == "__main__":
+    main()
