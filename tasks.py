@@ -2,8 +2,9 @@
 
 What is here
 - Two toy tasks with verifiable answers, generated from a seed. Every answer needs every digit
-  of the prompt, so a KV cache that evicts prompt tokens costs accuracy (issue 4 measured, on
-  "sort": 87 % exact with a full cache, 56 % with H2O and 27 % with StreamingLLM at 24 tokens).
+  of the prompt, so a KV cache that evicts prompt tokens costs accuracy. Measured on "sort"
+  with train.py's warmed-up toy model, 256 held-out prompts, greedy: 98.8 % exact with a full
+  cache; at 24 tokens (interval 4) R-KV 56.6 %, SnapKV 53.5 %, H2O 48.8 %, StreamingLLM 30.9 %.
   One character is one token; the prompt ends with "=" and the answer follows it:
       sort     prompt "S31415926=" -> answer "11234569"   (the digits in ascending order)
       reverse  prompt "R31415926=" -> answer "62951413"   (the digits in reverse order)
