@@ -21,6 +21,7 @@ One run measures, on whatever device is present, and prints five markdown tables
    against one training step; dense re-scoring (pi_old) against the rollout it re-scores.
 5. The limit: the measured matrix-multiply FLOP/s and copy bandwidth, and how much of each our dense
    decode achieves. Decode on a CPU is bound by memory traffic (weights + KV cache per step).
+Section 3 is also drawn to <out>_scaling.png when matplotlib is installed (optional).
 Timings are measurements, never assertions: no test checks a speed.
 """
 import argparse
@@ -388,6 +389,26 @@ def report(s, results, long, scale, over, lim, wall, machine):
     return "\n\n".join(tables), record
 
 
+def plot_scaling(scale, path):
+    """Section 3 as a PNG next to the JSON file, when matplotlib is installed (it is optional)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for name, label in (("full", "dense"), (LONG_POLICY, LONG_POLICY)):
+        ax.plot([r["context"] for r in scale], [r[name] for r in scale], marker="o", label=label)
+    ax.set(xlabel="context (tokens)", ylabel="decode ms per token", title="Decode time against context")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def cpu_name():
     """The device the numbers belong to: the GPU if there is one, else the CPU model and core count."""
     if torch.cuda.is_available():
@@ -435,6 +456,7 @@ def main(argv=None):
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(record, f, indent=1, default=str)
+    plot_scaling(scale, os.path.splitext(out)[0] + "_scaling.png")
     return record
 
 
