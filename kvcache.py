@@ -23,6 +23,10 @@ What is notable here:
         model(ids, position_ids=positions.clamp(min=0), past_key_values=cache, kv_cache=cache)
 
 `sampler.generate` does exactly this in a loop.
+
+Block top-k (`blocktopk`, Sparrow, METHOD.md section 3) evicts nothing: each decode step attends
+to each head's best pages only (compute, not memory). `SparseConfig.schedule` (schedule.py) sets
+the budget from the context length at every compression (every step for pages).
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,7 +36,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
-POLICIES = ("full", "streaming", "h2o", "snapkv", "rkv", "random")
+POLICIES = ("full", "streaming", "h2o", "snapkv", "rkv", "random", "blocktopk")
+DENSE = 2 ** 40  # a budget that never evicts: what a schedule means by "dense"
 SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -48,18 +53,26 @@ class SparseConfig:
     lam: float = 0.1      # R-KV: score = lam * importance - (1 - lam) * redundancy (0.07 in the R-KV repo)
     kernel: int = 7       # pooling kernel of the SnapKV / R-KV importance along the sequence
     gqa: str = "mean"     # how the query heads of one KV group are aggregated: "mean" or "max"
+    page_size: int = 16   # blocktopk: tokens per page; a step attends to budget // page_size top pages
+    dense_layers: int = 2  # blocktopk: the first layers attend to every token (Sparrow keeps 2 dense)
+    schedule: object = None  # a schedule.Schedule (or Controller): budget = schedule(context length)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; allowed: {', '.join(POLICIES)}")
-        for name in ("budget", "interval", "window", "kernel"):
+        for name in ("budget", "interval", "window", "kernel", "page_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.sink, int) or self.sink < 0:
-            raise ValueError(f"sink must be a non-negative integer, got {self.sink!r}")
-        if self.budget < self.window + self.sink:
-            raise ValueError(f"budget={self.budget} must be >= window + sink = {self.window} + {self.sink}")
+        for name in ("sink", "dense_layers"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
+        # blocktopk: the first and the 2 newest pages come on top of the budget's top pages
+        low, what = ((self.page_size, f"page_size = {self.page_size}") if self.policy == "blocktopk" else
+                     (self.window + self.sink, f"window + sink = {self.window} + {self.sink}"))
+        budget = min([self.budget] if self.schedule is None else [b for b in self.schedule.budgets if b], default=low)
+        if budget < low:
+            raise ValueError(f"budget={budget} must be >= {what}")
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd so pooling keeps the sequence length, got {self.kernel}")
         if not 0.0 <= self.lam <= 1.0:
@@ -233,10 +246,35 @@ def keep_indices(scores, pos, budget, window, due):
     return index, kept.expand_as(ranked).gather(-1, order)
 
 
-def compress(layer, sparse, due):
-    """Score the layer's slots with the policy and keep, in every `due` [B] row, its best `budget`."""
+def compress(layer, sparse, due, budget=None):
+    """Score the layer's slots with the policy and keep, in every `due` [B] row, its best `budget`
+    (an int or one per row [B]; default `sparse.budget`)."""
     scores = SCORERS[sparse.policy](layer, sparse)
-    layer.keep(*keep_indices(scores, layer.pos, sparse.budget, sparse.window, due))
+    budget = sparse.budget if budget is None else budget
+    layer.keep(*keep_indices(scores, layer.pos, budget, sparse.window, due))
+
+
+def top_pages(layer, query, sparse, budget):
+    """Sparrow block top-k: the kept positions [B, H_kv, S] one decode query [B, H, 1, D] attends to.
+
+    Pages are `page_size` positions of a row (position // page_size, so left padding does not
+    shift them). Each KV head scores a page by its group-averaged query against the page's mean
+    key and keeps its `budget // page_size` best pages (budget: int or [B]), plus the first page
+    (the sinks) and the 2 newest (the local window). Skipped slots read -1, as if evicted.
+    """
+    pos, keys = layer.pos, layer.keys.float()
+    valid, page = pos >= 0, pos.clamp(min=0) // sparse.page_size      # [B, H_kv, S]
+    pages = torch.arange(int(page.max()) + 1, device=pos.device)       # [n]
+    counts = pos.new_zeros(pos.shape[:2] + pages.shape).scatter_add_(2, page, valid.long())
+    sums = keys.new_zeros(counts.shape + keys.shape[-1:]).scatter_add_(2, page[..., None].expand_as(keys),
+                                                                       keys * valid[..., None])
+    q = group(query[:, :, -1].float(), keys.shape[1], "mean")          # [B, H_kv, D]
+    score = (sums / counts.clamp(min=1)[..., None] @ q[..., None])[..., 0]   # mean key . query: [B, H_kv, n]
+    reserved = (pages == 0) | (pages >= pos.amax(-1, keepdim=True) // sparse.page_size - 1)
+    order = score.masked_fill(reserved | (counts == 0), float("-inf")).argsort(dim=-1, descending=True, stable=True)
+    top = torch.as_tensor(budget, device=pos.device).reshape(-1, 1, 1) // sparse.page_size
+    chosen = reserved | (order.argsort(dim=-1) < top) & (counts > 0)   # rank among the unreserved pages
+    return pos.masked_fill(~chosen.gather(2, page), -1)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -282,7 +320,8 @@ class KVCache(Cache):
     The caller announces each forward pass with `start_step(positions)`; the model then calls
     `update` (store the new keys and values) and our attention hook calls `attend` (compress
     if due, then attend) once per layer. Stats: `kv_tokens`, `peak_kv_tokens`, `kv_bytes`,
-    `peak_kv_bytes`, `dense_kv_tokens` (what a full cache would hold), `compressions`.
+    `peak_kv_bytes`, `dense_kv_tokens` (what a full cache would hold), `compressions`, and
+    `attended_tokens`: per decode step, the tokens attended per layer, row and KV head (mean).
     With `record=True`, `history[layer][step]` holds the kept positions [B, H_kv, S] each
     step attended over (tests rebuild the same attention from it with a dense masked pass).
     """
@@ -293,6 +332,7 @@ class KVCache(Cache):
         self.rng = None if sparse.policy != "random" else torch.Generator().manual_seed(seed)
         self.history = [[] for _ in range(num_layers)] if record else None
         self.step_pos, self.row_tokens, self.due, self.compressing, self.padded = None, 0, None, False, False
+        self.context, self.budget, self.attended = 0, sparse.budget, []
         self.compressions, self.peak_kv_tokens, self.dense_kv_tokens, self.bytes_per_slot = 0, 0, 0, 0
 
     def start_step(self, positions):
@@ -302,24 +342,31 @@ class KVCache(Cache):
         rollout does not depend on how long the other prompts of its batch are.
         """
         sparse, decode = self.sparse, bool(self.layers) and positions.shape[1] == 1
-        self.step_pos = positions
-        self.row_tokens = self.row_tokens + (positions >= 0).sum(1)   # [B] real tokens held per row
+        self.step_pos, real = positions, (positions >= 0).sum(1)
+        self.row_tokens = self.row_tokens + real                       # [B] real tokens held per row
+        self.context = self.context + real                             # [B] ... and seen (the dense count)
+        if sparse.schedule is not None:                                # METHOD.md section 6: grows with context
+            self.budget = sparse.schedule(self.context)
         # Prefill is kept whole; once over budget, a row compresses every `interval` decode steps.
-        over = self.row_tokens - sparse.budget
-        self.due = (over > 0) & (over >= sparse.interval) & decode & (sparse.policy != "full")
-        self.row_tokens = torch.where(self.due, sparse.budget, self.row_tokens)
+        over = self.row_tokens - self.budget
+        self.due = (over > 0) & (over >= sparse.interval) & decode & (sparse.policy not in ("full", "blocktopk"))
+        self.row_tokens = torch.where(self.due, self.budget, self.row_tokens)
         # Two host-side flags, decided once per step rather than once per layer.
         self.compressing, self.padded = bool(self.due.any()), bool((positions < 0).any())
         self.compressions += int(self.compressing)
         self.dense_kv_tokens += positions.shape[1]
         self.peak_kv_tokens = max(self.peak_kv_tokens, self.kv_tokens + positions.shape[1])
+        self.decoding = decode
+        if decode:
+            self.attended.append(0.0)
 
     def capacity(self, prompt_len):
         """Slots to preallocate: everything for `full`, else what the cache can hold before compressing."""
-        total = prompt_len + self.max_new_tokens
-        if self.sparse.policy == "full":
+        total, sparse = prompt_len + self.max_new_tokens, self.sparse
+        if sparse.policy in ("full", "blocktopk"):
             return total
-        return min(total, max(prompt_len + 1, self.sparse.budget + self.sparse.interval))
+        budget = sparse.budget if sparse.schedule is None else max(b or DENSE for b in sparse.schedule.budgets)
+        return min(total, max(prompt_len + 1, budget + sparse.interval))
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Called by the model: store new keys and values [B, H_kv, q, D]; return the kept ones."""
@@ -338,38 +385,33 @@ class KVCache(Cache):
         if sparse.policy in ("snapkv", "rkv"):
             layer.remember(query, self.step_pos, sparse.window)
         if self.compressing:
-            compress(layer, sparse, self.due)
+            compress(layer, sparse, self.due, self.budget)
         # A decode step over real earlier tokens only sees every slot: no mask to build or apply.
         masked = query.shape[2] > 1 or layer.holes or sliding_window is not None
-        out, weights = attention(query, layer.keys, layer.values, layer.pos, self.step_pos, scaling,
+        key_pos = layer.pos
+        if sparse.policy == "blocktopk" and self.decoding and layer_idx >= sparse.dense_layers:
+            key_pos, masked = top_pages(layer, query, sparse, self.budget), True
+        if self.decoding:  # a tensor, not a float: no host sync per layer
+            self.attended[-1] += (key_pos >= 0).sum(-1).float().mean() / self.num_layers
+        out, weights = attention(query, layer.keys, layer.values, key_pos, self.step_pos, scaling,
                                  sliding_window, need_weights=sparse.policy == "h2o", masked=masked)
         if weights is not None:  # H2O: every query's attention adds to what each key has received
             weights = weights.unflatten(2, (-1, query.shape[2])) * (self.step_pos >= 0)[:, None, None, :, None]
             received = weights.sum(3).flatten(1, 2)                    # [B, H, S], summed over the queries
             layer.acc_buf[:, :, : layer.size] += group(received, layer.keys.shape[1], sparse.gqa)
         if self.history is not None:
-            self.history[layer_idx].append(layer.pos.clone())
+            self.history[layer_idx].append(key_pos.clone())
         return out
 
     def get_seq_length(self, layer_idx=0):
         return self.layers[layer_idx].size if layer_idx < len(self.layers) else 0
 
-    @property
-    def kv_tokens(self):
-        """Slots currently held per layer and KV head."""
-        return self.layers[0].size if self.layers else 0
-
-    @property
-    def kv_bytes(self):
-        return self.kv_tokens * self.bytes_per_slot
-
-    @property
-    def peak_kv_bytes(self):
-        return self.peak_kv_tokens * self.bytes_per_slot
-
-    @property
-    def dense_kv_bytes(self):
-        return self.dense_kv_tokens * self.bytes_per_slot
+    # slots currently held per layer and KV head, and the byte counts of the token counts
+    kv_tokens = property(lambda self: self.layers[0].size if self.layers else 0)
+    kv_bytes = property(lambda self: self.kv_tokens * self.bytes_per_slot)
+    peak_kv_bytes = property(lambda self: self.peak_kv_tokens * self.bytes_per_slot)
+    dense_kv_bytes = property(lambda self: self.dense_kv_tokens * self.bytes_per_slot)
+    attended_tokens = property(lambda self: [float(a) for a in self.attended])
 
 
 # ----------------------------------------------------------------------------- the hook

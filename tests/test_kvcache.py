@@ -4,7 +4,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from kvcache import KVCache, SparseConfig, check_model, keep_indices
-from reference import simulate_cache, tiny_model
+from reference import full_forward_logprobs, masked_dense_logprobs, simulate_cache, tiny_model
 from sampler import generate
 
 B, H, H_KV, D = 2, 4, 2, 8
@@ -90,6 +90,29 @@ def test_kept_tokens_stay_within_budget_plus_interval():
     assert out.stats["dense_kv_bytes"] == (13 + out.tokens.shape[1] - 1) * per_slot
 
 
+def test_blocktopk_equals_masking_and_keeps_the_reserved_pages():
+    model = tiny_model("llama")
+    prompts = [list(range(1, 21)), [3, 4, 5]]
+    sparse = SparseConfig("blocktopk", budget=8, page_size=4, dense_layers=1)
+    out = generate(model, prompts, sparse, max_new_tokens=30, temperature=1.0, seed=3, record=True)
+    assert torch.allclose(out.logprobs, masked_dense_logprobs(model, out), atol=1e-4)
+    dense = torch.stack([full_forward_logprobs(model, p, out.tokens[i].tolist()) for i, p in enumerate(prompts)])
+    assert (out.logprobs - dense).abs().max() > 1e-2                   # the pages really changed something
+    cache = out.stats["cache"]
+    assert out.stats["peak_kv_tokens"] == out.stats["dense_kv_tokens"]  # nothing is evicted
+    last = cache.history[1][-1]                                         # [B, H_kv, S] attended positions
+    for b, length in enumerate(len(p) + 29 for p in prompts):
+        for h in range(H_KV):
+            seen = set(last[b, h][last[b, h] >= 0].tolist())
+            pages = {p // 4 for p in seen}
+            newest = (length - 1) // 4
+            assert {0, newest - 1, newest} <= pages and len(pages) == 2 + 3   # 8 // 4 top pages + 3 reserved
+            assert all(set(range(4 * p, min(4 * p + 4, length))) <= seen for p in pages)  # whole pages
+    assert (cache.history[0][-1] >= 0).sum(-1).tolist() == [[49, 49], [32, 32]]        # the dense layer
+    # per row: 4 (first page) + 8 (top pages) + newest two pages (row 0: 4 + 1, row 1: 4 + 4) -> 17, 20
+    assert cache.attended_tokens[-1] == ((49 + 32) / 2 + (17 + 20) / 2) / 2
+
+
 def test_keep_indices_by_hand():
     # one row, one head, 6 slots; the first slot is padding, window 1 keeps the newest (pos 4)
     pos = torch.tensor([[[-1, 0, 1, 2, 3, 4]]])
@@ -111,6 +134,9 @@ def test_keep_indices_by_hand():
     (dict(kernel=4), "kernel must be odd"),
     (dict(lam=1.5), "lam must lie in \\[0, 1\\]"),
     (dict(gqa="sum"), "gqa must be 'mean' or 'max'"),
+    (dict(policy="blocktopk", budget=8, page_size=16), "budget=8 must be >= page_size = 16"),
+    (dict(page_size=0), "page_size must be a positive integer"),
+    (dict(dense_layers=-1), "dense_layers must be a non-negative integer"),
 ])
 def test_bad_config_is_a_clear_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
