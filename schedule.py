@@ -1,0 +1,332 @@
+"""Sparsity schedules: the budget as a function of the context length (METHOD.md sections 3, 4, 6).
+
+A fixed budget is too aggressive late in a long generation (the tail of the acceptance falls as
+the context grows) or too lenient early. Sparrow keeps the 5th percentile of the per-token
+acceptance `alpha_t = 1 - TV(p_dense, p_sparse)` in each length bin above a threshold (0.86) with
+a piecewise-constant budget that grows with the context, found offline per bin.
+
+What is notable here:
+- `Schedule` is a callable `context length -> budget` that `kvcache.SparseConfig(schedule=...)`
+  asks at every compression (every step for `blocktopk` pages); `None` in a bin means dense.
+- `calibrate` is Sparrow's offline profiling; `Controller` is the online variant (ours, not in
+  the paper): per-bin budgets nudged after every rollout batch from the acceptance the trainer
+  already measures when it re-scores densely, so its probe costs no extra forward pass.
+- `cost` / `speedup`: the per-step cost model of section 6 (after Kinetics) for any HF config.
+
+    python schedule.py --calibrate --model /tmp/warm400 --out results/schedule.json
+    python schedule.py --speedup results/schedule.json --context 32768     # Qwen3-1.7B/4B/8B
+"""
+import argparse
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from correction import acceptance, dense_logprobs  # acceptance: alpha = sum_v min(p_a, p_b) (section 4)
+from kvcache import DENSE, SparseConfig
+from sampler import generate
+
+THRESHOLD = 0.86  # Sparrow: runs whose 5th-percentile acceptance stayed >= 0.86 trained stably
+
+
+# ----------------------------------------------------------------------------- the schedule
+
+@dataclass(frozen=True)
+class Schedule:
+    """A piecewise-constant budget: `budgets[i]` holds for contexts in [bins[i], bins[i + 1]).
+
+    bins     first context length of each bin: starts at 0, strictly increasing
+    budgets  tokens per bin (int), or None: dense, evict nothing in that bin
+    """
+
+    bins: tuple
+    budgets: tuple
+
+    def __post_init__(self):
+        bins, budgets = tuple(self.bins), tuple(self.budgets)
+        object.__setattr__(self, "bins", bins)
+        object.__setattr__(self, "budgets", budgets)
+        if len(bins) == 0 or len(bins) != len(budgets):
+            raise ValueError(f"need one budget per bin, got {len(bins)} bins and {len(budgets)} budgets")
+        if bins[0] != 0 or any(not isinstance(b, int) for b in bins):
+            raise ValueError(f"bins must be integers starting at 0, got {list(bins)}")
+        if any(b >= c for b, c in zip(bins, bins[1:])):
+            raise ValueError(f"bins must be strictly increasing, got {list(bins)}")
+        if any(b is not None and (not isinstance(b, int) or b < 1) for b in budgets):
+            raise ValueError(f"budgets must be positive integers or None (dense), got {list(budgets)}")
+
+    def __call__(self, context):
+        """Budget at `context` tokens: an int for an int, a long tensor [B] for a tensor [B] (dense = DENSE)."""
+        values = torch.tensor([DENSE if b is None else b for b in self.budgets])
+        index = torch.bucketize(torch.as_tensor(context).cpu(), torch.tensor(self.bins), right=True) - 1
+        out = values[index]
+        return int(out) if isinstance(context, int) else out.to(torch.as_tensor(context).device)
+
+    def save(self, path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"bins": list(self.bins), "budgets": list(self.budgets)}) + "\n")
+
+    @staticmethod
+    def load(path):
+        """A schedule from a JSON file {"bins": [...], "budgets": [...]}; ValueError naming the file otherwise."""
+        try:
+            data = json.loads(Path(path).read_text())
+            return Schedule(data["bins"], data["budgets"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"cannot read a schedule from {path}: {e}") from None
+
+
+def constant(budget):
+    """The same budget at every length (Sparse-RL's fixed budget)."""
+    return Schedule((0,), (budget,))
+
+
+def piecewise(bins, budgets):
+    """Sparrow's schedule: `budgets[i]` from context `bins[i]` on."""
+    return Schedule(bins, budgets)
+
+
+# ----------------------------------------------------------------------------- measuring the tail
+
+def tail_by_bin(alpha, positions, bin_size, q=0.05):
+    """The q-quantile of the acceptance per length bin (section 4: the paper's tail statistic).
+
+    alpha, positions: same shape (e.g. [N, T]); positions = context length when the token was
+    sampled, -1 for tokens to ignore (padding). Bin i holds contexts [i * bin_size, (i + 1) * bin_size).
+    Returns (tails [n_bins] float64, nan where a bin is empty; counts [n_bins] long).
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must lie in [0, 1], got {q}")
+    if not isinstance(bin_size, int) or bin_size < 1:
+        raise ValueError(f"bin_size must be a positive integer, got {bin_size!r}")
+    real = positions >= 0
+    alpha, which = alpha[real].double(), positions[real] // bin_size
+    n = int(which.max()) + 1 if which.numel() else 0
+    counts = torch.bincount(which, minlength=n)
+    tails = torch.full((n,), float("nan"), dtype=torch.float64)
+    for i in counts.nonzero()[:, 0].tolist():
+        tails[i] = torch.quantile(alpha[which == i], q)   # linear interpolation, as np.quantile
+    return tails, counts
+
+
+def measure(model, prompts, sparse, max_new_tokens, temperature=1.0, eos_token_id=None, pad_token_id=0, seed=0):
+    """Sample with `sparse`, re-score densely -> (alpha [N, T], positions [N, T], -1 off the responses).
+
+    The acceptance sums over the sampler's top-k ids, k = min(vocabulary, 64): exact on small
+    vocabularies, a lower bound on large ones (section 4).
+    """
+    out = generate(model, prompts, sparse, max_new_tokens, temperature, eos_token_id=eos_token_id,
+                   pad_token_id=pad_token_id, seed=seed, logprobs_topk=min(model.config.vocab_size, 64))
+    _, topk_dense = dense_logprobs(model, out, topk=True, temperature=temperature)
+    alpha = acceptance(topk_dense, out.topk_logprobs)
+    positions = torch.tensor([len(p) for p in prompts])[:, None] + torch.arange(out.tokens.shape[1])
+    return alpha, positions.masked_fill(out.mask == 0, -1)
+
+
+# ----------------------------------------------------------------------------- offline: Sparrow
+
+def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, sparse=SparseConfig("snapkv"),
+              max_new_tokens=64, q=0.05, **sampling):
+    """The smallest candidate budget per length bin that keeps the tail >= threshold (section 6).
+
+    Generates once per candidate budget and measures the tail per bin against dense re-scoring;
+    a bin no candidate satisfies falls back to dense (None). Budgets are then made non-decreasing
+    in the context (eviction is irreversible: a long context never gets back what a short one
+    dropped). A schedule evicts earlier than a constant budget does, so the result is re-measured
+    and any bin still below the threshold moves to its next candidate, until every bin passes.
+    Returns (Schedule, rows): one row per bin {bins, budget, tail, tokens} of the final measurement.
+    `sampling`: temperature, eos_token_id, pad_token_id, seed (as `sampler.generate`).
+    """
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
+    options = sorted(set(candidates)) + [None]                         # None: dense
+    tails = [tail_by_bin(*measure(model, prompts, replace(sparse, budget=c, schedule=None), max_new_tokens,
+                                  **sampling), bin_size, q)[0] for c in options[:-1]]
+    n = max(len(t) for t in tails)
+    tail = lambda i, k: float(tails[k][i]) if i < len(tails[k]) else float("nan")
+    # smallest passing candidate per bin (an empty bin passes with anything)
+    choice = [next((k for k in range(len(options) - 1) if not tail(i, k) < threshold), len(options) - 1)
+              for i in range(n)]
+    while True:
+        for i in range(1, n):                                         # non-decreasing with the context
+            choice[i] = max(choice[i], choice[i - 1])
+        schedule = piecewise([i * bin_size for i in range(n)], [options[k] for k in choice])
+        alpha, positions = measure(model, prompts, replace(sparse, schedule=schedule), max_new_tokens, **sampling)
+        measured, counts = tail_by_bin(alpha, positions, bin_size, q)
+        # a failing bin that is already dense suffers from what an earlier bin evicted: raise that one
+        movable = [max([j for j in range(i + 1) if options[choice[j]] is not None], default=None)
+                   for i in range(min(n, len(measured))) if measured[i] < threshold]
+        movable = [j for j in movable if j is not None]
+        if not movable:
+            break
+        choice[movable[0]] += 1                                       # one bin at a time, earliest first
+    rows = [dict(bins=(i * bin_size, (i + 1) * bin_size), budget=options[choice[i]],
+                 tail=float(measured[i]) if i < len(measured) else float("nan"),
+                 tokens=int(counts[i]) if i < len(counts) else 0) for i in range(n)]
+    return schedule, rows
+
+
+# ----------------------------------------------------------------------------- online: our controller
+
+class Controller:
+    """An online schedule: per-bin budgets that follow the measured tail, with no offline profiling.
+
+    The probe: after each rollout batch the trainer already re-scores every sampled token densely
+    (pi_old, METHOD.md section 5), at the sampler's top-k ids; `acceptance` of those is alpha_t for
+    free, so `update(alpha, positions)` costs a quantile per bin and no forward pass. (Outside
+    training the probe is `measure` on a few rows: one dense forward over prompt + response each.)
+    The rule: a bin whose tail is below `threshold` multiplies its budget by `up` (fast, because a
+    collapse is costly); a bin above `threshold + band` lowers it by `step` (slow). Bins with fewer
+    than `min_tokens` tokens are left alone. Budgets stay in [low, high] and non-decreasing.
+    Usable wherever a Schedule is: `SparseConfig(policy, schedule=controller)`.
+    """
+
+    def __init__(self, threshold=THRESHOLD, bin_size=16, bins=8, start=64, low=16, high=4096,
+                 step=8, up=1.5, band=0.03, min_tokens=20, q=0.05):
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
+        if not 1 <= low <= start <= high:
+            raise ValueError(f"need 1 <= low <= start <= high, got {low}, {start}, {high}")
+        self.threshold, self.bin_size, self.low, self.high = threshold, bin_size, low, high
+        self.step, self.up, self.band, self.min_tokens, self.q = step, up, band, min_tokens, q
+        self.schedule = piecewise([i * bin_size for i in range(bins)], [start] * bins)
+        self.history = []                                             # per update: (budgets, tails)
+
+    budgets = property(lambda self: self.schedule.budgets)
+
+    def __call__(self, context):
+        return self.schedule(context)
+
+    def update(self, alpha, positions):
+        """Move each bin's budget toward the threshold from one batch's alpha, positions [N, T]."""
+        tails, counts = tail_by_bin(alpha, positions, self.bin_size, self.q)
+        budgets = list(self.budgets)
+        for i in range(min(len(budgets), len(tails))):
+            if counts[i] < self.min_tokens:
+                continue
+            if tails[i] < self.threshold:
+                budgets[i] = min(self.high, int(budgets[i] * self.up + 0.5))
+            elif tails[i] > self.threshold + self.band:
+                budgets[i] = max(self.low, budgets[i] - self.step)
+        for i in range(1, len(budgets)):
+            budgets[i] = max(budgets[i], budgets[i - 1])
+        self.schedule = piecewise(self.schedule.bins, budgets)
+        self.history.append((self.budgets, tails.tolist()))
+        return self.schedule
+
+
+# ----------------------------------------------------------------------------- the cost model
+
+# Public config.json of Qwen/Qwen3-1.7B, Qwen/Qwen3-4B and Qwen/Qwen3-8B on the Hugging Face hub.
+QWEN3 = {
+    "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen3-4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+}
+SPARROW_SPEEDUP = {"Qwen3-1.7B": 2.2, "Qwen3-4B": 2.4, "Qwen3-8B": 2.0}   # reported at threshold 0.86
+H100_INTENSITY = 989e12 / 3.35e12   # bf16 dense FLOP/s per byte/s of HBM: ~295 FLOPs a byte is worth
+
+
+def shape(config):
+    """(layers, heads, kv_heads, head_dim, matmul parameters) of an HF config or a dict of its fields."""
+    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    h, L, n, n_kv = get("hidden_size"), get("num_hidden_layers"), get("num_attention_heads"), get("num_key_value_heads")
+    n_kv, d = n_kv or n, get("head_dim") or h // n
+    # q and o: h * n * d each; k and v: h * n_kv * d each; gated MLP: 3 * h * intermediate; lm head: V * h
+    params = L * (2 * h * n * d + 2 * h * n_kv * d + 3 * h * get("intermediate_size")) + get("vocab_size") * h
+    return L, n, n_kv, d, params
+
+
+def cost(config, context, budget=None, batch=1, page_size=None, dense_layers=0, bytes_per=2,
+         intensity=H100_INTENSITY):
+    """One decode step's cost for `batch` rows at `context` tokens (section 6, after Kinetics).
+
+    FLOPs: 2 * P for the weights per row, plus 4 * heads * head_dim * kv_len per layer (QK and PV).
+    Bytes: the weights once per step, plus the K and V of the kv_len tokens read per layer and row.
+    A sparse layer reads kv_len = min(context, budget) (page_size given: blocktopk, whose first page
+    and 2 newest come on top, and which scores context / page_size mean keys per KV head first);
+    the first `dense_layers` and any budget >= context (or None) read everything.
+    Returns dict(flops, bytes, cost) with cost = flops + intensity * bytes (effective FLOPs).
+    """
+    L, n, n_kv, d, P = shape(config)
+    dense = budget is None or budget >= context
+    kv = context if dense else min(context, budget + (3 * page_size if page_size else 0))
+    kv_per_layer = [context] * min(dense_layers, L) + [kv] * (L - min(dense_layers, L))
+    flops = batch * (2 * P + sum(4 * n * d * k for k in kv_per_layer))
+    data = bytes_per * (P + batch * sum(2 * n_kv * d * k for k in kv_per_layer))
+    if page_size and not dense:
+        pages, sparse_layers = -(-context // page_size), L - min(dense_layers, L)
+        flops += batch * sparse_layers * 2 * n_kv * d * pages             # group-mean query . mean key
+        data += bytes_per * batch * sparse_layers * n_kv * d * pages      # the mean keys are read
+    return dict(flops=flops, bytes=data, cost=flops + intensity * data)
+
+
+def speedup(config, schedule, context, prompt=0, stride=64, **kwargs):
+    """Predicted rollout speedup over dense: summed dense cost / summed sparse cost of the decode
+    steps from `prompt` to `context` tokens (every `stride`-th step), the budget from `schedule`."""
+    steps = range(prompt + 1, context + 1, stride)
+    dense = sum(cost(config, c, None, **kwargs)["cost"] for c in steps)
+    sparse = sum(cost(config, c, None if schedule(c) >= DENSE else schedule(c), **kwargs)["cost"] for c in steps)
+    return dense / sparse
+
+
+# ----------------------------------------------------------------------------- command line
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    g = p.add_argument_group("calibrate (Sparrow's offline profiling)")
+    g.add_argument("--calibrate", action="store_true", help="profile candidate budgets per length bin")
+    g.add_argument("--model", default="/tmp/warm400", help="a Hugging Face folder (train.py saves one)")
+    g.add_argument("--task", default="sort", help="toy task of the prompts (tasks.py)")
+    g.add_argument("--prompts", type=int, default=32, help="number of prompts")
+    g.add_argument("--policy", default="snapkv", help="the sampler's policy (kvcache.POLICIES)")
+    g.add_argument("--candidates", default="8,12,16,20,24,32,48", help="budgets to try, comma-separated")
+    g.add_argument("--bin-size", type=int, default=16, help="tokens per length bin (Sparrow: 2048)")
+    g.add_argument("--threshold", type=float, default=THRESHOLD, help="tail acceptance to hold")
+    g.add_argument("--interval", type=int, default=4, help="compression interval (toy: 4)")
+    g.add_argument("--window", type=int, default=4, help="recent tokens always kept (toy: 4)")
+    g.add_argument("--sink", type=int, default=2, help="first tokens kept by streaming (toy: 2)")
+    g.add_argument("--page-size", type=int, default=16, help="blocktopk page size")
+    g.add_argument("--dense-layers", type=int, default=2, help="blocktopk dense layers")
+    g.add_argument("--max-new-tokens", type=int, default=40, help="response length")
+    g.add_argument("--out", default="results/schedule.json", help="where the schedule is written")
+    g = p.add_argument_group("cost model (METHOD.md section 6)")
+    g.add_argument("--speedup", metavar="SCHEDULE.json", help="predicted speedup of a schedule for Qwen3 shapes")
+    g.add_argument("--context", type=int, default=32768, help="tokens generated")
+    g.add_argument("--batch", type=int, default=64, help="rows decoded together")
+    args = p.parse_args(argv)
+    if args.calibrate:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        import tasks
+        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        tok = AutoTokenizer.from_pretrained(args.model)
+        prompts = [tasks.encode_prompt(tok, e["prompt"]) for e in tasks.make_examples(args.task, args.prompts, 0, 12, 20)]
+        sparse = SparseConfig(args.policy, interval=args.interval, window=args.window, sink=args.sink,
+                              page_size=args.page_size, dense_layers=args.dense_layers,
+                              budget=min(int(c) for c in args.candidates.split(",")))
+        schedule, rows = calibrate(model, prompts, [int(c) for c in args.candidates.split(",")], args.threshold,
+                                   args.bin_size, sparse, args.max_new_tokens, eos_token_id=tok.eos_token_id,
+                                   pad_token_id=tok.pad_token_id or 0)
+        print(f"| context | budget | tail alpha (p05) | tokens |   ({args.policy}, threshold {args.threshold})")
+        print("|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['bins'][0]}-{r['bins'][1] - 1} | {r['budget'] or 'dense'} | {r['tail']:.3f} | {r['tokens']} |")
+        schedule.save(args.out)
+        print(f"wrote {args.out}")
+    if args.speedup:
+        schedule = Schedule.load(args.speedup)
+        print(f"| model | predicted ({args.context} tokens, batch {args.batch}, blocktopk) | Sparrow reported |")
+        print("|---|---|---|")
+        for name, config in QWEN3.items():
+            s = speedup(config, schedule, args.context, batch=args.batch, page_size=16, dense_layers=2)
+            print(f"| {name} | {s:.2f}x | {SPARROW_SPEEDUP[name]}x |")
+    if not (args.calibrate or args.speedup):
+        p.error("give --calibrate and/or --speedup SCHEDULE.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""schedule.py: acceptance, tail per bin, calibration, the online controller, the cost model, bad input.
+
+Numbered as issue 5's "What must be true"; each test compares with an independent computation
+(numpy, a hand calculation, a brute-force sum) so it can fail."""
+import numpy as np
+import pytest
+import torch
+
+from kvcache import DENSE, SparseConfig
+from reference import tiny_model
+from sampler import generate
+from schedule import (Controller, Schedule, acceptance, calibrate, constant, cost, measure, piecewise, speedup,
+                      tail_by_bin)
+
+PROMPTS = [[1 + (7 * i + j) % 60 for j in range(6 + 3 * i)] for i in range(6)]   # lengths 6..21
+SPARSE = SparseConfig("snapkv", budget=6, interval=2, window=2, sink=2, kernel=3)
+
+
+# 1. acceptance
+
+def test_acceptance_is_one_minus_tv_by_hand_and_a_lower_bound_with_top_k():
+    p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.3, 0.5])
+    assert acceptance(p.log(), q.log()).item() == pytest.approx(1 - 0.5 * (0.3 + 0.0 + 0.3))
+    assert acceptance(p.log(), p.log()).item() == pytest.approx(1.0)
+    g = torch.Generator().manual_seed(0)
+    logp, logq = (torch.randn(100, 50, generator=g) * 2).log_softmax(-1), torch.randn(100, 50, generator=g).log_softmax(-1)
+    exact = 1 - 0.5 * (logp.exp() - logq.exp()).abs().sum(-1)
+    assert torch.allclose(acceptance(logp, logq), exact, atol=1e-6)
+    ids = logq.topk(10, dim=-1).indices                                 # the sampler's top-10
+    bound = acceptance(logp.gather(-1, ids), logq.gather(-1, ids))
+    assert (bound <= exact + 1e-6).all() and (bound < exact - 1e-3).any()
+
+
+# 2. tail per bin
+
+def test_tail_by_bin_equals_numpy_quantile_per_bin():
+    rng = np.random.default_rng(0)
+    alpha = rng.uniform(0.5, 1.0, size=(7, 30))
+    positions = rng.integers(-1, 90, size=(7, 30))
+    tails, counts = tail_by_bin(torch.tensor(alpha), torch.tensor(positions), bin_size=16, q=0.05)
+    for i in range(90 // 16 + 1):
+        inside = (positions >= 0) & (positions // 16 == i)
+        assert counts[i] == inside.sum()
+        assert tails[i].item() == pytest.approx(np.quantile(alpha[inside], 0.05))
+    empty, _ = tail_by_bin(torch.ones(3), torch.tensor([0, 40, -1]), bin_size=16)
+    assert empty[1].isnan() and empty[0] == empty[2] == 1.0
+
+
+# 3. calibration
+
+def budgets_in_order(budgets):
+    return all((a or DENSE) <= (b or DENSE) for a, b in zip(budgets, budgets[1:]))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def test_calibrate_picks_the_smallest_passing_budget_and_its_tails_hold(model):
+    kw = dict(candidates=[6, 10, 16], bin_size=8, sparse=SPARSE, max_new_tokens=20)
+    schedule, rows = calibrate(model, PROMPTS, threshold=0.97, **kw)
+    # measured on this model: at a constant budget the tail falls with the context, so the budget grows
+    assert budgets_in_order(schedule.budgets) and schedule.budgets[0] < schedule.budgets[-1]
+    assert [r["budget"] for r in rows] == list(schedule.budgets)
+    tails, counts = tail_by_bin(*measure(model, PROMPTS, SparseConfig(**{**vars(SPARSE), "schedule": schedule}), 20),
+                                bin_size=8)
+    assert all(t >= 0.97 for t, c in zip(tails.tolist(), counts.tolist()) if c > 0)   # re-measured
+    assert set(calibrate(model, PROMPTS, threshold=0.0, **kw)[0].budgets) == {6}
+    assert set(calibrate(model, PROMPTS, threshold=1.0, **kw)[0].budgets) == {None}  # dense: evicts nothing
+
+
+def test_a_schedule_sets_the_budget_of_each_compression(model):
+    schedule = piecewise([0, 24], [6, 12])
+    out = generate(model, PROMPTS[-2:], SparseConfig(**{**vars(SPARSE), "schedule": schedule}),
+                   max_new_tokens=20, record=True)
+    cache = out.stats["cache"]
+    kept = [(s[:, 0] >= 0).sum(-1) for s in cache.history[0]]           # [B] valid kept tokens per step
+    for step in range(1, len(kept) - 1):
+        for b, prompt in enumerate(PROMPTS[-2:]):
+            if kept[step + 1][b] < kept[step][b]:                         # compressed at step + 1
+                assert kept[step + 1][b] == schedule(len(prompt) + step + 1)
+    assert Schedule((0, 24), (6, None))(torch.tensor([3, 30])).tolist() == [6, DENSE]
+
+
+# 4. the online controller
+
+def test_controller_holds_the_tail_where_a_constant_budget_of_the_same_mean_does_not(model):
+    controller = Controller(threshold=0.97, bin_size=8, bins=6, start=6, low=6, high=64, step=2, band=0.01,
+                            min_tokens=5)
+    sparse = SparseConfig(**{**vars(SPARSE), "schedule": controller})
+    for seed in range(6):                                               # six rollout batches, then fresh samples
+        controller.update(*measure(model, PROMPTS, sparse, 20, seed=seed))
+    alpha, positions = measure(model, PROMPTS, sparse, 20, seed=100)
+    tails, counts = tail_by_bin(alpha, positions, 8)
+    held = [t for t, c in zip(tails.tolist(), counts.tolist()) if c >= 5]
+    assert all(0.97 <= t <= 0.97 + 0.02 for t in held)                   # the stated band: [target, target + 0.02]
+    mean_budget = int(controller(positions[positions >= 0]).float().mean().round())   # token-weighted
+    fixed = SparseConfig(**{**vars(SPARSE), "budget": mean_budget})
+    const_tails, const_counts = tail_by_bin(*measure(model, PROMPTS, fixed, 20, seed=100), 8)
+    assert min(t for t, c in zip(const_tails.tolist(), const_counts.tolist()) if c >= 5) < 0.97
+
+
+# 5. the cost model
+
+CONFIG = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=4, vocab_size=10)
+
+
+def test_cost_matches_a_hand_computation():
+    # P = 2 layers * (q, o: 2 * 8 * 2 * 4 + k, v: 2 * 8 * 1 * 4 + MLP 3 * 8 * 16) + lm head 10 * 8 = 1232
+    c = cost(CONFIG, context=100, budget=20, batch=3, bytes_per=2, intensity=10)
+    assert c["flops"] == 3 * (2 * 1232 + 2 * 4 * 2 * 4 * 20)            # 11232
+    assert c["bytes"] == 2 * (1232 + 3 * 2 * (2 * 1 * 4 * 20))          # 4384
+    assert c["cost"] == 11232 + 10 * 4384
+    # blocktopk, pages of 4, first layer dense: layer 0 reads 100, layer 1 reads 20 + 3 pages = 32,
+    # and scores 25 mean keys: 2 * kv_heads * head_dim FLOPs and kv_heads * head_dim values each
+    b = cost(CONFIG, context=100, budget=20, batch=3, page_size=4, dense_layers=1, bytes_per=2, intensity=10)
+    assert b["flops"] == 3 * (2 * 1232 + 4 * 2 * 4 * (100 + 32)) + 3 * 2 * 4 * 25
+    assert b["bytes"] == 2 * (1232 + 3 * 2 * 4 * (100 + 32)) + 2 * 3 * 4 * 25
+
+
+def test_speedup_of_a_full_budget_is_one_and_a_small_budget_saves():
+    assert speedup(CONFIG, constant(10 ** 6), 4096, batch=8) == 1.0
+    assert speedup(CONFIG, piecewise([0], [None]), 4096, batch=8) == 1.0
+    brute = sum(cost(CONFIG, c, None, batch=8)["cost"] for c in range(1, 4097)) / \
+        sum(cost(CONFIG, c, min(c, 256) if c > 256 else None, batch=8)["cost"] for c in range(1, 4097))
+    assert speedup(CONFIG, constant(256), 4096, batch=8, stride=1) == pytest.approx(brute)
+    assert brute > 1.5
+
+
+# 6. bad input
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: piecewise([0, 16, 16], [8, 8, 8]), "bins must be strictly increasing"),
+    (lambda: piecewise([4, 16], [8, 8]), "bins must be integers starting at 0"),
+    (lambda: piecewise([0, 16], [8]), "need one budget per bin"),
+    (lambda: piecewise([0], [0]), "budgets must be positive integers or None"),
+    (lambda: SparseConfig("snapkv", window=4, sink=2, schedule=piecewise([0, 16], [8, 5])),
+     "budget=5 must be >= window \\+ sink = 4 \\+ 2"),
+    (lambda: Controller(threshold=1.5), "threshold must lie in \\[0, 1\\], got 1.5"),
+    (lambda: calibrate(None, PROMPTS, [8], threshold=-0.1), "threshold must lie in \\[0, 1\\], got -0.1"),
+    (lambda: tail_by_bin(torch.ones(2), torch.zeros(2, dtype=torch.long), 0), "bin_size must be a positive"),
+])
+def test_bad_input_is_a_clear_error(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_schedule_files_round_trip_and_bad_files_are_named(tmp_path):
+    schedule = piecewise([0, 16, 48], [8, 12, None])
+    schedule.save(tmp_path / "s.json")
+    assert Schedule.load(tmp_path / "s.json") == schedule
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "keys.json").write_text('{"bins": [0]}')
+    for name in ("bad.json", "keys.json", "missing.json"):
+        with pytest.raises(ValueError, match=f"cannot read a schedule from .*{name}"):
+            Schedule.load(tmp_path / name)
