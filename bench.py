@@ -3,14 +3,15 @@
     python bench.py                  # the full measurement (CPU: about 25 minutes on 2 cores)
     python bench.py --quick          # the same code on a tiny model, in seconds (tests/test_bench.py)
     python bench.py --out results/bench.json --repeats 3
+    python bench.py --model smollm2-135m   # a real pretrained model (train.py's --model), ~10 minutes
 
 One run measures, on whatever device is present, and prints five markdown tables plus a JSON file:
 1. Throughput: generated tokens per second of Hugging Face `model.generate` (its default dynamic
    cache), our sampler with the full cache, and our sampler with each eviction policy (budget 256,
-   interval 128), on a random Llama with grouped-query attention. Each is the median of `--repeats`
-   rounds after a warm-up; a round runs every sampler once, back to back (every other round in
-   reverse order), so a disturbance (another job on the machine) hits all of them alike. "vs HF"
-   and "vs dense" divide those medians. Keep the machine otherwise idle: with every core busy,
+   interval 128), on a random Llama with grouped-query attention (or on --model, with shorter runs).
+   Each is the median of `--repeats` rounds after a warm-up; a round runs every sampler once, back
+   to back (every other round in reverse order), so a disturbance (another job on the machine) hits
+   all of them alike. "vs HF" and "vs dense" divide those medians. Keep the machine otherwise idle: with every core busy,
    a second job stalls PyTorch's threads and can slow a run several times over.
 2. Memory: the peak KV cache of each run, checked against `2 * layers * kv_heads * head_dim * tokens
    * bytes * batch`, and as a fraction of the dense cache.
@@ -32,6 +33,7 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -39,14 +41,21 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import kvcache
 from kvcache import SparseConfig
 from sampler import generate
+from train import load_pretrained
 
 FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, batch=8, prompt=256, new=2048,
             long_new=4096, budget=256, interval=128, repeats=3, long_repeats=1, contexts=(512, 1024, 2048, 4096),
             mm=2048, keep=4)
 QUICK = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, batch=4, prompt=16, new=48,
              long_new=120, budget=16, interval=8, repeats=2, long_repeats=1, contexts=(32, 64, 128), mm=256, keep=2)
-# The eviction policies compared; "blocktopk" (Sparrow, METHOD.md section 3) joins as soon as kvcache has it.
-EVICTION = [p for p in ("streaming", "h2o", "snapkv", "rkv", "blocktopk") if p in kvcache.POLICIES]
+# A pretrained --model: shorter runs than FULL (SmolLM2-135M decodes ~60 tokens/s at batch 8 on one CPU
+# thread), its own shape filled in by build_model, and a budget that evicts within prompt + 256 new.
+PRETRAINED = dict(batch=8, prompt=128, new=256, long_new=768, budget=128, interval=32, repeats=2, long_repeats=1,
+                  contexts=(256, 512, 896), mm=2048, keep=4)
+# The sparse samplers compared: four that evict (METHOD.md section 2), and Sparrow's block top-k (section 3),
+# which keeps every token and saves attention work instead, so the memory rows leave it out.
+EVICTION = ["streaming", "h2o", "snapkv", "rkv"]
+SPARSE = EVICTION + [p for p in ("blocktopk",) if p in kvcache.POLICIES]
 LONG_POLICY = "snapkv"   # the eviction policy of the long rollout (scaling, 4096 + 256 target)
 HF = "HF generate"
 START = time.perf_counter()
@@ -60,7 +69,14 @@ def log(message):
 # ----------------------------------------------------------------------------- the model and the runs
 
 def build_model(s):
-    """A random Llama-family model shaped like a small real one (the hook for a `--model` option)."""
+    """A random Llama-family model shaped by `s`, or the pretrained s["model"], whose shape goes into `s`."""
+    if "model" in s:
+        model, _ = load_pretrained(s["model"])
+        c = model.config
+        s.update(layers=c.num_hidden_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
+                 kv_heads=c.num_key_value_heads, ffn=c.intermediate_size, vocab=c.vocab_size)
+        model.generation_config.eos_token_id = None   # every run is full length, as with the random model
+        return model
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
                          num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
@@ -108,7 +124,8 @@ def step_clock(model):
 
 @contextmanager
 def eviction_clock():
-    """Seconds spent in `kvcache.compress` (score + keep) and `Layer.remember` (window queries).
+    """Seconds spent choosing: `kvcache.compress` (score + keep), `Layer.remember` (window queries) and,
+    for block top-k, `kvcache.top_pages` (page scores at every decode step).
 
     A plain timing wrapper: on a CPU every op finishes before the call returns, so wall time is exact.
     """
@@ -123,12 +140,15 @@ def eviction_clock():
                 spent[0] += time.perf_counter() - start
         return wrapper
 
-    compress, remember = kvcache.compress, kvcache.Layer.remember
-    kvcache.compress, kvcache.Layer.remember = timed(compress), timed(remember)
+    saved = [(owner, name, getattr(owner, name)) for owner, name in
+             ((kvcache, "compress"), (kvcache.Layer, "remember"), (kvcache, "top_pages")) if hasattr(owner, name)]
+    for owner, name, fn in saved:
+        setattr(owner, name, timed(fn))
     try:
         yield spent
     finally:
-        kvcache.compress, kvcache.Layer.remember = compress, remember
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 def run_hf(model, ids, new):
@@ -174,7 +194,7 @@ def median_run(runs):
 def throughput(model, ids, s, repeats):
     """Section 1: every sampler once per round, `repeats` rounds after a short warm-up of each."""
     prompts = ids.tolist()
-    names = [HF, "full"] + EVICTION
+    names = [HF, "full"] + SPARSE
     run = lambda name, new: run_hf(model, ids, new) if name == HF else run_ours(model, prompts, name, new, s)
     for name in names:
         run(name, min(32, s["new"]))
@@ -335,7 +355,7 @@ def report(s, results, long, scale, over, lim, wall, machine):
                  for i, load in enumerate(r["all_others"]) if load is not None and load >= 0.1]
     record["disturbed_runs"] = disturbed
     record.update(scaling=scale, overheads=over, limit=lim, wall_seconds=wall)
-    tables = [f"Machine: {machine}. Model: random Llama, {s['layers']} layers, {s['hidden']} wide, {s['heads']} heads / "
+    tables = [f"Machine: {machine}. Model: {s.get('model', 'random Llama')}, {s['layers']} layers, {s['hidden']} wide, {s['heads']} heads / "
               f"{s['kv_heads']} KV heads, vocabulary {s['vocab']}, fp32. Batch {B}, prompt {s['prompt']}, greedy; "
               f"eviction budget {s['budget']}, interval {s['interval']}.",
               f"### 1. Throughput ({new} new tokens, median of {s['repeats']} rounds; long rows: {s['long_new']} new, "
@@ -357,7 +377,7 @@ def report(s, results, long, scale, over, lim, wall, machine):
                      ["dense re-scoring (pi_old) of the batch", f"{over['rescore_seconds']:.2f} s",
                       f"the {LONG_POLICY} rollout, the dense rollout", f"{over['rescore_vs_rollout']:.2f}x, "
                       f"{over['rescore_vs_dense_rollout']:.2f}x"]]
-    for name in EVICTION:
+    for name in SPARSE:
         over_rows.append([f"choosing what to evict, {name}, interval {s['interval']}", "-", "decode time",
                           f"{100 * results[name]['evict_share']:.1f} %"])
     for name, share in over.get("interval_1", {}).items():
@@ -381,7 +401,7 @@ def report(s, results, long, scale, over, lim, wall, machine):
                 f"{(s['budget'] + s['interval']) / (s['prompt'] + new):.4f}; dense never feeds its last token)"],
                [f"{LONG_POLICY} >= 2x dense at {s['prompt']}+{s['long_new']}", f"{long_speed[LONG_POLICY] / long_speed['full']:.2f}x"],
                [f"choosing < 10 % of decode at interval {s['interval']} (max)",
-                f"{100 * max(results[n]['evict_share'] for n in EVICTION):.1f} %"],
+                f"{100 * max(results[n]['evict_share'] for n in SPARSE):.1f} %"],
                ["rejection + weights + down-sampling < 1 % of a step",
                 "TODO" if "todo" in over else f"{100 * over['correction_seconds'] / over['train_step_seconds']:.4f} %"]]
     tables += ["### Targets", md(["target", "measured"], targets), f"Total wall time: {wall:.0f} s."]
@@ -427,8 +447,14 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="where the JSON record goes "
                         "(default results/bench.json, or results/bench_quick.json with --quick)")
     parser.add_argument("--repeats", type=int, default=None, help="rounds of the throughput runs (median)")
+    parser.add_argument("--model", default=None, help="a pretrained model instead of the random one: HF "
+                        "folder, hub id, GGUF file or smollm2-135m (see train.py); JSON: results/bench_<name>.json")
     args = parser.parse_args(argv)
-    s = dict(QUICK if args.quick else FULL)
+    if args.quick and args.model:
+        parser.error("--quick runs the tiny random model; it cannot be combined with --model")
+    s = dict(QUICK if args.quick else PRETRAINED if args.model else FULL)
+    if args.model:
+        s["model"] = args.model
     s["repeats"] = args.repeats or s["repeats"]
     wall = time.perf_counter()
     machine = f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
@@ -452,7 +478,8 @@ def main(argv=None):
     text, record = report(s, results, long, scale, over, lim, time.perf_counter() - wall, machine)
     record["table"] = text
     print(text)
-    out = args.out or ("results/bench_quick.json" if args.quick else "results/bench.json")
+    out = args.out or ("results/bench_quick.json" if args.quick else
+                       f"results/bench_{Path(args.model).stem}.json" if args.model else "results/bench.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(record, f, indent=1, default=str)

@@ -25,8 +25,8 @@ def test_the_json_file_holds_the_record(quick):
 
 def test_every_sampler_is_measured(quick):
     record, _ = quick
-    assert list(record["throughput"]) == [bench.HF, "full"] + bench.EVICTION
-    assert {"streaming", "h2o", "snapkv", "rkv"} <= set(bench.EVICTION)
+    assert list(record["throughput"]) == [bench.HF, "full"] + bench.SPARSE
+    assert bench.SPARSE[:4] == bench.EVICTION == ["streaming", "h2o", "snapkv", "rkv"]
     assert isinstance(record["disturbed_runs"], list)   # too short to judge in --quick, but always present
     for row in record["throughput"].values():
         assert len(row["seconds"]) == bench.QUICK["repeats"] and row["tokens_per_s"] > 0
@@ -62,6 +62,8 @@ def test_peak_kv_bytes_match_the_formula_and_the_budget(quick):
     assert record["throughput"][bench.HF]["peak_kv_bytes"] == record["throughput"]["full"]["peak_kv_bytes"]
     for name in bench.EVICTION:
         assert record["throughput"][name]["peak_kv_tokens"] == s["budget"] + s["interval"]
+    for name in set(bench.SPARSE) - set(bench.EVICTION):                  # block top-k keeps every token
+        assert record["throughput"][name]["peak_kv_tokens"] == record["throughput"]["full"]["peak_kv_tokens"]
     assert "| NO |" not in record["table"]
 
 
@@ -76,7 +78,7 @@ def test_scaling_covers_every_context(quick):
 def test_overheads_are_shares_of_the_right_wholes(quick):
     record, _ = quick
     over = record["overheads"]
-    for name in bench.EVICTION:
+    for name in bench.SPARSE:   # block top-k chooses nothing in --quick: both its layers are dense ones
         assert 0 <= record["throughput"][name]["evict_share"] < 1
     assert record["throughput"]["full"]["evict_share"] == 0          # the full cache never compresses
     assert set(over["interval_1"]) == {"snapkv", "rkv"} and all(0 < v < 1 for v in over["interval_1"].values())
@@ -96,7 +98,7 @@ def test_the_limit_is_positive_and_the_tables_are_printed(quick):
 
 
 def test_an_eviction_wrapper_is_removed_after_use():
-    compress = bench.kvcache.compress
+    compress, top_pages = bench.kvcache.compress, bench.kvcache.top_pages
     with bench.eviction_clock():
-        assert bench.kvcache.compress is not compress
-    assert bench.kvcache.compress is compress
+        assert bench.kvcache.compress is not compress and bench.kvcache.top_pages is not top_pages
+    assert bench.kvcache.compress is compress and bench.kvcache.top_pages is top_pages
