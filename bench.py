@@ -41,7 +41,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import kvcache
 from kvcache import SparseConfig
 from sampler import generate
-from train import load_pretrained
+from models import load_pretrained
 
 FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, batch=8, prompt=256, new=2048,
             long_new=4096, budget=256, interval=128, repeats=3, long_repeats=1, contexts=(512, 1024, 2048, 4096),
@@ -448,7 +448,7 @@ def main(argv=None):
                         "(default results/bench.json, or results/bench_quick.json with --quick)")
     parser.add_argument("--repeats", type=int, default=None, help="rounds of the throughput runs (median)")
     parser.add_argument("--model", default=None, help="a pretrained model instead of the random one: HF "
-                        "folder, hub id, GGUF file or smollm2-135m (see train.py); JSON: results/bench_<name>.json")
+                        "folder, hub id, GGUF file or smollm2-135m (see models.py); JSON: results/bench_<name>.json")
     args = parser.parse_args(argv)
     if args.quick and args.model:
         parser.error("--quick runs the tiny random model; it cannot be combined with --model")

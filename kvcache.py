@@ -67,9 +67,9 @@ class SparseConfig:
         for name in ("sink", "dense_layers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
-        # blocktopk: the first and the 2 newest pages come on top of the budget's top pages
-        low, what = ((self.page_size, f"page_size = {self.page_size}") if self.policy == "blocktopk" else
-                     (self.window + self.sink, f"window + sink = {self.window} + {self.sink}"))
+        what = (f"page_size = {self.page_size}" if self.policy == "blocktopk" else
+                f"window + sink = {self.window} + {self.sink}")
+        low = self.min_budget
         budget = min([self.budget] if self.schedule is None else [b for b in self.schedule.budgets if b], default=low)
         if budget < low:
             raise ValueError(f"budget={budget} must be >= {what}")
@@ -79,6 +79,12 @@ class SparseConfig:
             raise ValueError(f"lam must lie in [0, 1], got {self.lam}")
         if self.gqa not in ("mean", "max"):
             raise ValueError(f"gqa must be 'mean' or 'max', got {self.gqa!r}")
+
+    @property
+    def min_budget(self):
+        """The smallest budget that still leaves the policy a choice: the always-kept window and sinks
+        (for blocktopk, one page: the first and the 2 newest pages come on top of the budget's pages)."""
+        return self.page_size if self.policy == "blocktopk" else self.window + self.sink
 
 
 # ----------------------------------------------------------------------------- one layer's state

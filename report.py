@@ -24,7 +24,8 @@ import correction as C
 from kvcache import POLICIES, SparseConfig
 from sampler import generate
 from tasks import encode_prompt, load_jsonl, numeric_reward
-from train import CACHE_DIR, SMOLLM2, load_pretrained, rewards_of
+from models import CACHE_DIR, SMOLLM2, load_pretrained
+from train import rewards_of
 
 
 def parse_args(argv=None):

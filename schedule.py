@@ -13,7 +13,7 @@ What is notable here:
   already measures when it re-scores densely, so its probe costs no extra forward pass.
 - `cost` / `speedup`: the per-step cost model of section 6 (after Kinetics) for any HF config.
 
-    python schedule.py --calibrate --model /tmp/warm400 --out results/schedule.json
+    python train.py --steps 0 && python schedule.py --calibrate       # the toy model train.py caches in out/warmup
     python schedule.py --speedup results/schedule.json --context 32768     # Qwen3-1.7B/4B/8B
 """
 import argparse
@@ -62,6 +62,11 @@ class Schedule:
         index = torch.bucketize(torch.as_tensor(context).cpu(), torch.tensor(self.bins), right=True) - 1
         out = values[index]
         return int(out) if isinstance(context, int) else out.to(torch.as_tensor(context).device)
+
+    def scaled(self, factor):
+        """The same shape at `factor` times the lengths: every bin start and budget multiplied, rounded."""
+        return Schedule(tuple(round(b * factor) for b in self.bins),
+                        tuple(None if b is None else max(1, round(b * factor)) for b in self.budgets))
 
     def save(self, path):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -119,9 +124,23 @@ def measure(model, prompts, sparse, max_new_tokens, temperature=1.0, eos_token_i
     out = generate(model, prompts, sparse, max_new_tokens, temperature, eos_token_id=eos_token_id,
                    pad_token_id=pad_token_id, seed=seed, logprobs_topk=min(model.config.vocab_size, 64))
     _, topk_dense = dense_logprobs(model, out, topk=True, temperature=temperature)
-    alpha = acceptance(topk_dense, out.topk_logprobs)
-    positions = torch.tensor([len(p) for p in prompts])[:, None] + torch.arange(out.tokens.shape[1])
-    return alpha, positions.masked_fill(out.mask == 0, -1)
+    return acceptance(topk_dense, out.topk_logprobs), token_contexts(out)
+
+
+def token_contexts(rollouts):
+    """The context length each response token was sampled at: [N, T], prompt length + t; -1 off the response."""
+    contexts = torch.tensor([len(p) for p in rollouts.prompts])[:, None] + torch.arange(rollouts.tokens.shape[1])
+    return contexts.to(rollouts.mask.device).masked_fill(rollouts.mask == 0, -1)
+
+
+def bin_metrics(alpha, contexts, bin_size, budget):
+    """Per-step metrics by length bin: the tail of alpha [N, T] at `contexts` [N, T], the tokens, and the
+    budget in force at each bin's start (`budget`: a Schedule, or an int for a constant one; None = dense)."""
+    tails, counts = tail_by_bin(alpha.cpu(), contexts.cpu(), bin_size)
+    at = lambda c: budget if isinstance(budget, int) else budget(c)
+    return dict(bin_size=bin_size, tokens_by_bin=counts.tolist(),
+                alpha_p05_by_bin=[None if t != t else round(t, 4) for t in tails.tolist()],   # nan: an empty bin
+                budget_by_bin=[None if at(i * bin_size) >= DENSE else at(i * bin_size) for i in range(len(tails))])
 
 
 # ----------------------------------------------------------------------------- offline: Sparrow
@@ -194,6 +213,9 @@ class Controller:
         self.history = []                                             # per update: (budgets, tails)
 
     budgets = property(lambda self: self.schedule.budgets)
+
+    def __repr__(self):
+        return f"Controller(threshold={self.threshold}, bins={list(self.schedule.bins)}, budgets={list(self.budgets)})"
 
     def __call__(self, context):
         return self.schedule(context)
@@ -280,12 +302,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     g = p.add_argument_group("calibrate (Sparrow's offline profiling)")
     g.add_argument("--calibrate", action="store_true", help="profile candidate budgets per length bin")
-    g.add_argument("--model", default="/tmp/warm400", help="a Hugging Face folder (train.py saves one)")
+    g.add_argument("--model", default="out/warmup", help="a Hugging Face folder (python train.py caches its toy model here)")
     g.add_argument("--task", default="sort", help="toy task of the prompts (tasks.py)")
     g.add_argument("--prompts", type=int, default=32, help="number of prompts")
     g.add_argument("--policy", default="snapkv", help="the sampler's policy (kvcache.POLICIES)")
-    g.add_argument("--candidates", default="8,12,16,20,24,32,48", help="budgets to try, comma-separated")
-    g.add_argument("--bin-size", type=int, default=16, help="tokens per length bin (Sparrow: 2048)")
+    g.add_argument("--candidates", default="8,12,16,20,24,28,32,40", help="budgets to try, comma-separated")
+    g.add_argument("--bin-size", type=int, default=8, help="tokens per length bin (Sparrow: 2048)")
     g.add_argument("--threshold", type=float, default=THRESHOLD, help="tail acceptance to hold")
     g.add_argument("--interval", type=int, default=4, help="compression interval (toy: 4)")
     g.add_argument("--window", type=int, default=4, help="recent tokens always kept (toy: 4)")
@@ -299,9 +321,14 @@ def main(argv=None):
     g.add_argument("--context", type=int, default=32768, help="tokens generated")
     g.add_argument("--batch", type=int, default=64, help="rows decoded together")
     args = p.parse_args(argv)
+    if not (args.calibrate or args.speedup):
+        p.error("give --calibrate and/or --speedup SCHEDULE.json")
     if args.calibrate:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         import tasks
+        if not Path(args.model).is_dir():
+            p.error(f"no model folder {args.model!r}: run `python train.py` first (it caches its toy model in "
+                    "out/warmup), or pass --model")
         model = AutoModelForCausalLM.from_pretrained(args.model).eval()
         tok = AutoTokenizer.from_pretrained(args.model)
         prompts = [tasks.encode_prompt(tok, e["prompt"]) for e in tasks.make_examples(args.task, args.prompts, 0, 12, 20)]
@@ -314,19 +341,32 @@ def main(argv=None):
         print(f"| context | budget | tail alpha (p05) | tokens |   ({args.policy}, threshold {args.threshold})")
         print("|---|---|---|---|")
         for r in rows:
-            print(f"| {r['bins'][0]}-{r['bins'][1] - 1} | {r['budget'] or 'dense'} | {r['tail']:.3f} | {r['tokens']} |")
+            tail = f"{r['tail']:.3f}" if r["tokens"] else "- (no token)"
+            print(f"| {r['bins'][0]}-{r['bins'][1] - 1} | {r['budget'] or 'dense'} | {tail} | {r['tokens']} |")
         schedule.save(args.out)
         print(f"wrote {args.out}")
     if args.speedup:
-        schedule = Schedule.load(args.speedup)
-        print(f"| model | predicted ({args.context} tokens, batch {args.batch}, blocktopk) | Sparrow reported |")
-        print("|---|---|---|")
-        for name, config in QWEN3.items():
-            s = speedup(config, schedule, args.context, batch=args.batch, page_size=16, dense_layers=2)
-            print(f"| {name} | {s:.2f}x | {SPARROW_SPEEDUP[name]}x |")
-    if not (args.calibrate or args.speedup):
-        p.error("give --calibrate and/or --speedup SCHEDULE.json")
-
+        try:
+            schedule = Schedule.load(args.speedup)
+        except ValueError as error:
+            p.error(str(error))
+        # A toy schedule's budgets are tens of tokens; at 32K tokens the same budget/context ratios are
+        # the fair comparison, so the schedule is also shown stretched from its last bin to --context.
+        bins = schedule.bins
+        end = bins[-1] + (bins[-1] - bins[-2] if len(bins) > 1 else 0)   # where the last bin ends
+        factor = args.context / max(end, 1)
+        pages = dict(page_size=args.page_size, dense_layers=args.dense_layers) if args.policy == "blocktopk" else {}
+        rows = [(f"{args.speedup} as calibrated: {list(schedule.budgets)} from {list(bins)}", schedule),
+                (f"the same stretched x{factor:.0f} to {args.context} tokens", schedule.scaled(factor))]
+        rows += [(f"constant budget {b} (for scale)", constant(b)) for b in (4096, 2048, 1024)]
+        print(f"Predicted rollout speedup over dense ({args.policy}, {args.context} tokens decoded at batch "
+              f"{args.batch}; cost model of METHOD.md section 6 with H100 bf16 balance)\n")
+        print("| schedule | " + " | ".join(QWEN3) + " |\n|---|" + "---|" * len(QWEN3))
+        for label, x in rows:
+            print(f"| {label} | " + " | ".join(f"{speedup(c, x, args.context, batch=args.batch, **pages):.2f}x"
+                                               for c in QWEN3.values()) + " |")
+        print("| Sparrow reported (block top-k, threshold 0.86) | " +
+              " | ".join(f"{SPARROW_SPEEDUP[n]}x" for n in QWEN3) + " |")
 
 if __name__ == "__main__":
     main()

