@@ -196,8 +196,10 @@ class Controller:
     free, so `update(alpha, positions)` costs a quantile per bin and no forward pass. (Outside
     training the probe is `measure` on a few rows: one dense forward over prompt + response each.)
     The rule: a bin whose tail is below `threshold` multiplies its budget by `up` (fast, because a
-    collapse is costly); a bin above `threshold + band` lowers it by `step` (slow). Bins with fewer
-    than `min_tokens` tokens are left alone. Budgets stay in [low, high] and non-decreasing.
+    collapse is costly); if it no longer evicts, the latest earlier bin that does is raised instead,
+    since what that bin dropped is lost for good. A bin above `threshold + band`, with no failing bin after it, lowers
+    its budget by `step` (slow). Bins with fewer than `min_tokens` tokens are left alone. Budgets
+    stay in [low, high] and non-decreasing.
     Usable wherever a Schedule is: `SparseConfig(policy, schedule=controller)`.
     """
 
@@ -223,13 +225,21 @@ class Controller:
     def update(self, alpha, positions):
         """Move each bin's budget toward the threshold from one batch's alpha, positions [N, T]."""
         tails, counts = tail_by_bin(alpha, positions, self.bin_size, self.q)
-        budgets = list(self.budgets)
-        for i in range(min(len(budgets), len(tails))):
-            if counts[i] < self.min_tokens:
-                continue
-            if tails[i] < self.threshold:
-                budgets[i] = min(self.high, int(budgets[i] * self.up + 0.5))
-            elif tails[i] > self.threshold + self.band:
+        budgets, n = list(self.budgets), min(len(self.budgets), len(tails))
+        failing = [i for i in range(n) if counts[i] >= self.min_tokens and tails[i] < self.threshold]
+        # Eviction is irreversible: a failing bin that no longer evicts (budget past its contexts) suffers from
+        # what an earlier bin dropped, so it raises the latest earlier bin that still evicts, as `calibrate`
+        # does. A bin is lowered only when it and every later bin hold the threshold.
+        real = positions >= 0
+        longest = torch.full((len(tails),), -1, dtype=torch.long).scatter_reduce(
+            0, positions[real] // self.bin_size, positions[real], "amax")    # longest context seen per bin
+        evicts = lambda j: counts[j] >= self.min_tokens and budgets[j] < longest[j]
+        blamed = {i if evicts(i) else max([j for j in range(i) if evicts(j)], default=i) for i in failing}
+        for j in blamed:
+            budgets[j] = min(self.high, int(budgets[j] * self.up + 0.5))
+        for i in range(n):
+            if counts[i] >= self.min_tokens and tails[i] > self.threshold + self.band and \
+                    not any(f >= i for f in failing):
                 budgets[i] = max(self.low, budgets[i] - self.step)
         for i in range(1, len(budgets)):
             budgets[i] = max(budgets[i], budgets[i - 1])

@@ -101,6 +101,22 @@ def test_controller_holds_the_tail_where_a_constant_budget_of_the_same_mean_does
     assert min(t for t, c in zip(const_tails.tolist(), const_counts.tolist()) if c >= 5) < 0.97
 
 
+def test_a_failing_bin_that_evicts_nothing_raises_the_earlier_bin_that_did():
+    # Bins of 16. Bin 2 (contexts 40-41) fails at budget 54: it evicts nothing, so what it misses was dropped
+    # in bin 1 (budget 24 below its contexts 28-30), which is raised x1.5. No bin is lowered: one failed.
+    c = Controller(threshold=0.9, bin_size=16, bins=3, start=24, low=8, step=4, up=1.5, band=0.03, min_tokens=2)
+    c.schedule = piecewise([0, 16, 32], [24, 24, 54])
+    positions = torch.tensor([[5, 6, 28, 30, 40, 41]])
+    c.update(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.1, 0.1]]), positions)
+    assert c.budgets == (24, 36, 54)
+    # Bin 1 fails at 36: no earlier bin evicts, so it raises itself; bin 2 holds and is lowered (54 - 4),
+    # then lifted back to bin 1's 54 (budgets never decrease with the context); bin 0 stays (a later bin failed)
+    c.update(torch.tensor([[1.0, 1.0, 0.5, 0.5, 1.0, 1.0]]), positions)
+    assert c.budgets == (24, 54, 54)
+    c.update(torch.ones(1, 6), positions)                                # every bin holds: all lowered by 4
+    assert c.budgets == (20, 50, 50)
+
+
 # 5. the cost model
 
 CONFIG = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
