@@ -1,4 +1,4 @@
-"""Comparison tables, printed as markdown (METHOD.md sections 2 and 4).
+"""Comparison tables, printed as markdown (METHOD.md sections 2, 4, 5 and 7).
 
     python report.py inference --model smollm2-135m --data ../shared/data/gsm8k/test.jsonl --limit 100 \\
         --policies snapkv rkv h2o streaming --budgets 64 128 --interval 32 > results/smollm2_gsm8k.md
@@ -11,11 +11,29 @@ tokens (section 4: its mean, and its 5th percentile over all response tokens, th
 that stayed >= 0.86 in stable training runs). The dense side is one teacher-forced pass over each
 greedy response (`correction.dense_logprobs`), exactly the pi_old of a training step.
 Progress goes to stderr, the table to stdout.
+
+    python report.py runs results/runs/{dense,naive,tis,sparse-rl,schedule}-s? --robust-budgets 24 20 \\
+        --out results/corrections                                   # as reproduce.sh does
+
+`runs`: what training did, one row per variant (METHOD.md sections 4, 5, 7). Each RUN_DIR is a
+`python train.py --out RUN_DIR` folder named <variant>-s<seed>; the seeds of a variant are averaged,
+variants keep the order given. Three tables, each explained in one line above it, printed and written
+to PREFIX.md: the comparison (columns in `comparison_rows`), the acceptance tail per length bin
+(`tail_by_variant`) and when each variant first reaches the first variant's best dense accuracy
+(`reach_rows`, PODS's measure). With matplotlib installed, PREFIX_reward.png, PREFIX_accuracy.png and
+PREFIX_tail.png too. --robust-budgets B ...: each run's final checkpoint answers its own held-out
+prompts greedily through the run's cache at budget B (SnapKV for a dense-trained run), Sparse-RL's
+claim that a model trained on sparse rollouts holds up better under sparse inference.
 """
 import argparse
+import json
+import os
+import re
 import sys
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -23,9 +41,11 @@ from tqdm import tqdm
 import correction as C
 from kvcache import POLICIES, SparseConfig
 from sampler import generate
-from tasks import encode_prompt, load_jsonl, numeric_reward
+from tasks import encode_prompt, load_jsonl, numeric_reward, reward_fn
 from models import CACHE_DIR, SMOLLM2, load_pretrained
+import train
 from train import rewards_of
+from schedule import THRESHOLD
 
 
 def parse_args(argv=None):
@@ -46,6 +66,12 @@ def parse_args(argv=None):
     g.add_argument("--window", type=int, default=8, help="recent tokens always kept")
     g.add_argument("--sink", type=int, default=4, help="first tokens kept by streaming")
     g.add_argument("--batch-size", type=int, default=25, help="questions decoded together")
+    g = commands.add_parser("runs", help="compare train.py runs: accuracy, KV memory, rejection, time, tail, PODS")
+    g.add_argument("folders", nargs="*", metavar="RUN_DIR", help="train.py --out folders named <variant>-s<seed>")
+    g.add_argument("--out", required=True, metavar="PREFIX",
+                   help="writes PREFIX.md and, with matplotlib, PREFIX_reward.png, PREFIX_accuracy.png, PREFIX_tail.png")
+    g.add_argument("--robust-budgets", type=int, nargs="+", default=[], metavar="B",
+                   help="also evaluate each final model greedily through the run's cache at budget B")
     return p.parse_args(argv)
 
 
@@ -99,15 +125,247 @@ def inference(args):
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- runs: comparing training runs
+
+def read_run(folder):
+    """(metrics lines, eval lines) of a `train.py --out` folder, each sorted by step (a repeated step: its last line)."""
+    logs = []
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        path = Path(folder) / name
+        if not path.is_file():
+            raise ValueError(f"{folder!r} is not a train.py run folder: it holds no {name}")
+        try:
+            lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not JSON lines: {error}") from None
+        if not lines:
+            raise ValueError(f"{path} is empty")
+        logs.append(sorted({line["step"]: line for line in lines}.values(), key=lambda line: line["step"]))
+    return tuple(logs)
+
+
+def variant_of(folder):
+    """'results/runs/sparse-rl-s2' -> 'sparse-rl': run folders are named <variant>-s<seed>."""
+    return re.sub(r"-s\d+$", "", Path(os.path.abspath(folder)).name)
+
+
+def mean_std(values):
+    """Mean and sample standard deviation (ddof 1; 0 for a single seed)."""
+    values = np.asarray(values, dtype=float)
+    return values.mean(), values.std(ddof=1) if len(values) > 1 else 0.0
+
+
+def pm(values):
+    return "{:.3f} ± {:.3f}".format(*mean_std(values))
+
+
+def seconds(line):
+    """Training seconds of one step: sampling, dense re-scoring, update (no warm-up, no evaluation)."""
+    return line["rollout_s"] + line["scoring_s"] + line["update_s"]
+
+
+def comparison_rows(groups, robust=None):
+    """One row per variant of {variant: [(metrics, evals) per seed]}; the columns, mean over seeds:
+
+    seeds              runs averaged
+    dense before RL    greedy accuracy on the held-out prompts with a full cache at step 0, mean ± std
+    dense, sparse      the same after the last step, with a full cache and through the run's training cache
+                       (a dense run trains with a full cache, so its two columns agree)
+    sparse @ B         the final model through the run's cache at budget B (`robust`: {variant: [[acc per B] per seed]})
+    peak KV vs dense   mean over steps of the rollouts' peak KV bytes / the bytes of a full cache
+    rejected tokens    response tokens dropped by the rejection / response tokens, over the whole run
+    vetoed             responses vetoed over the whole run
+    train time (s)     training seconds summed over the run's steps
+    """
+    rows = []
+    for variant, runs in groups.items():
+        metrics, evals = [m for m, _ in runs], [e for _, e in runs]
+        row = [variant, len(runs), pm([e[0]["dense"] for e in evals]), pm([e[-1]["dense"] for e in evals]),
+               pm([e[-1]["sparse"] for e in evals])]
+        row += [pm(accs) for accs in zip(*robust[variant])] if robust else []
+        total = lambda key, ms: sum(m[key] for m in ms)
+        row += [f"{np.mean([np.mean([m['peak_kv_bytes'] / m['dense_kv_bytes'] for m in ms]) for ms in metrics]):.1%}",
+                f"{np.mean([total('dropped_tokens', ms) / max(total('tokens', ms), 1) for ms in metrics]):.1%}",
+                f"{np.mean([total('vetoed', ms) for ms in metrics]):.1f}",
+                f"{np.mean([sum(map(seconds, ms)) for ms in metrics]):.0f}"]
+        rows.append(row)
+    return rows
+
+
+def tail_by_variant(groups):
+    """{variant: {(first, last) context of a length bin: tail}}: the per-step 5th percentile of the acceptance
+    alpha in each bin (METHOD.md section 4), averaged over all steps and seeds that had tokens in the bin."""
+    tails = {}
+    for variant, runs in groups.items():
+        pooled = {}
+        for metrics, _ in runs:
+            for m in metrics:
+                for i, tail in enumerate(m.get("alpha_p05_by_bin") or []):
+                    if tail is not None:
+                        pooled.setdefault((i * m["bin_size"], (i + 1) * m["bin_size"] - 1), []).append(tail)
+        tails[variant] = {b: float(np.mean(pooled[b])) for b in sorted(pooled)}
+    return tails
+
+
+def mean_curve(logs, key):
+    """[(step, mean over seeds of line[key])] at the steps every seed logged; `logs`: one list of lines per seed."""
+    by_step = [{line["step"]: line[key] for line in lines} for lines in logs]
+    steps = sorted(set.intersection(*(set(d) for d in by_step)))
+    return [(s, float(np.mean([d[s] for d in by_step]))) for s in steps]
+
+
+def reach_rows(groups):
+    """When each variant first reaches the baseline's best dense accuracy (PODS, METHOD.md section 7).
+
+    The baseline is the first variant; its best is the highest mean-over-seeds dense accuracy at an evaluation
+    after step 0. For each variant: the first evaluation after step 0 whose mean dense accuracy is >= that best,
+    the training seconds up to that step (mean over seeds) and the baseline's seconds / these.
+    -> (best, accuracy at step 0, [(variant, step or None, seconds or None, speed-up or None)]), or None when
+    the baseline never evaluated after step 0."""
+    curves = {variant: mean_curve([e for _, e in runs], "dense") for variant, runs in groups.items()}
+    baseline = next(iter(curves.values()))
+    if not any(s > 0 for s, _ in baseline):
+        return None
+    best = max(a for s, a in baseline if s > 0)
+    reached = {}
+    for variant, runs in groups.items():
+        step = next((s for s, a in curves[variant] if s > 0 and a >= best - 1e-9), None)
+        reached[variant] = (step, None if step is None else
+                            float(np.mean([sum(seconds(m) for m in ms if m["step"] <= step) for ms, _ in runs])))
+    base_time = reached[next(iter(groups))][1]
+    rows = [(v, step, t, base_time / t if t else None) for v, (step, t) in reached.items()]
+    return best, baseline[0][1], rows
+
+
+def markdown(header, rows):
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
+                     ["| " + " | ".join(map(str, row)) + " |" for row in rows])
+
+
+def report_text(groups, budgets=(), robust=None):
+    """The comparison, the tail per length bin and the PODS table, each with its meaning in one line above it."""
+    header = ["variant", "seeds", "dense before RL", "dense", "sparse", *[f"sparse @ {b}" for b in budgets],
+              "peak KV vs dense", "rejected tokens", "vetoed", "train time (s)"]
+    text = ["Greedy accuracy on each run's held-out prompts, mean ± std over seeds: with a full cache (dense) before "
+            "and after RL, and after RL through the run's training cache (sparse; full for a dense run)"
+            + (", or its cache at budget B (sparse @ B)" if budgets else "") + "; mean over seeds of: the rollouts' "
+            "peak KV against a full cache, the share of response tokens the rejection dropped, the responses it "
+            "vetoed, and the seconds spent sampling, re-scoring and updating.", "",
+            markdown(header, comparison_rows(groups, robust))]
+    tails = tail_by_variant(groups)
+    bins = sorted({b for t in tails.values() for b in t})
+    text += ["", "Acceptance tail by context length: the 5th percentile of alpha = 1 - TV(p_dense, p_sparse) "
+             f"over each bin's response tokens, mean over steps and seeds (Sparrow: stable while >= {THRESHOLD}).", "",
+             markdown(["variant"] + [f"{a}-{b}" for a, b in bins],
+                      [[v] + [f"{t[b]:.3f}" if b in t else "-" for b in bins] for v, t in tails.items()])]
+    reach = reach_rows(groups)
+    if reach:
+        best, start, rows = reach
+        base = next(iter(groups))
+        text += ["", f"Time to the baseline's best (PODS's measure): the first evaluation after step 0 at which a "
+                 "variant's dense accuracy (mean over seeds) "
+                 f"reaches {base}'s best, {best:.3f} (step 0: {start:.3f}), with the training seconds it took "
+                 "(mean over seeds).", "",
+                 markdown(["variant", "first step", "train time (s)", f"speed-up vs {base}"],
+                          [[v, "never", "-", "-"] if step is None else [v, step, f"{t:.0f}", f"{x:.2f}x" if x else "-"]
+                           for v, step, t, x in rows])]
+    return "\n".join(text)
+
+
+def running_mean(ys, k=10):
+    """Mean of the last k values at each point (fewer at the start)."""
+    sums, i = np.cumsum(np.insert(np.asarray(ys, dtype=float), 0, 0.0)), np.arange(1, len(ys) + 1)
+    return (sums[i] - sums[np.maximum(i - k, 0)]) / np.minimum(i, k)
+
+
+def plot(groups, prefix):
+    """PREFIX_reward.png, PREFIX_accuracy.png, PREFIX_tail.png, one line per variant; nothing without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    figures = [("reward", "step", "training reward (running mean of 10)",
+                {v: mean_curve([m for m, _ in runs], "reward") for v, runs in groups.items()}),
+               ("accuracy", "step", "greedy accuracy, full cache",
+                {v: mean_curve([e for _, e in runs], "dense") for v, runs in groups.items()}),
+               ("tail", "context length (bin start)", "alpha p05 (mean over steps)",
+                {v: [(b[0], t) for b, t in tails.items()] for v, tails in tail_by_variant(groups).items()})]
+    for name, xlabel, ylabel, curves in figures:
+        fig, ax = plt.subplots(figsize=(6.4, 4))
+        for variant, points in curves.items():
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, running_mean(ys) if name == "reward" else ys, label=variant,
+                        marker=None if name == "reward" else "o")
+        if name == "tail":
+            ax.axhline(THRESHOLD, color="grey", linestyle="--", linewidth=1, label=f"Sparrow's {THRESHOLD}")
+        ax.set(xlabel=xlabel, ylabel=ylabel)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(f"{prefix}_{name}.png", dpi=120)
+        plt.close(fig)
+
+
+def robust_plan(folder, final_step, budgets):
+    """(final checkpoint, its train.py args, [cache per budget]) of one run; ValueError before any model is loaded.
+    The cache is the run's own (policy, interval, window, sink) at budget B; SnapKV for a run trained dense."""
+    ckpt = train.last_checkpoint(Path(folder))
+    if ckpt is None or not (ckpt / "args.json").is_file():
+        raise ValueError(f"{folder!r} holds no checkpoint step-NNNNNN with args.json (--robust-budgets needs it)")
+    if int(ckpt.name.split("-")[1]) != final_step:
+        raise ValueError(f"the last checkpoint of {folder!r}, {ckpt.name}, is not its final step {final_step}")
+    args = train.parse_args([])                                   # defaults for keys an older args.json lacks
+    vars(args).update(json.loads((ckpt / "args.json").read_text()))
+    policy = "snapkv" if args.policy == "full" else args.policy
+    try:
+        return ckpt, args, [SparseConfig(policy, b, args.interval, args.window, args.sink) for b in budgets]
+    except ValueError as error:
+        raise ValueError(f"--robust-budgets {' '.join(map(str, budgets))} for {folder!r}: {error}") from None
+
+
+def robust_accuracy(ckpt, args, configs):
+    """Greedy accuracy of a final model on its run's own held-out prompts (rebuilt as train.py does), per cache."""
+    dtype = dict(float32=torch.float32, bfloat16=torch.bfloat16)[args.dtype]
+    model, tokenizer = load_pretrained(str(ckpt), dtype=dtype)
+    _, held_out = train.load_data(args)
+    reward = numeric_reward if args.data else reward_fn(args.task)
+    return [train.evaluate(model, tokenizer, held_out, reward, sparse, args) for sparse in configs]
+
+
+def runs(args):
+    """Check everything, read the runs, evaluate the final models at --robust-budgets; -> the report (markdown)."""
+    if not args.folders:
+        raise ValueError("no run folders given")
+    for b in args.robust_budgets:
+        if b < 1:
+            raise ValueError(f"--robust-budgets must be >= 1, got {b}")
+    logs = [read_run(folder) for folder in args.folders]
+    plans = [robust_plan(folder, evals[-1]["step"], args.robust_budgets)
+             for folder, (_, evals) in zip(args.folders, logs)] if args.robust_budgets else []
+    groups, robust = {}, {}
+    for folder, log in zip(args.folders, logs):
+        groups.setdefault(variant_of(folder), []).append(log)
+    for folder, plan in zip(args.folders, tqdm(plans, desc="final models", dynamic_ncols=True, disable=not plans)):
+        robust.setdefault(variant_of(folder), []).append(robust_accuracy(*plan))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    plot(groups, args.out)
+    return report_text(groups, args.robust_budgets, robust)
+
+
 def main(argv=None):
     args = parse_args(argv)
     start = time.time()
     try:
-        table = inference(args)
+        table = inference(args) if args.command == "inference" else runs(args)
     except ValueError as error:
         sys.exit(f"error: {error}")
-    print(f"`python report.py {' '.join(sys.argv[1:] if argv is None else argv)}`, "
-          f"wall time {(time.time() - start) / 60:.1f} min\n\n{table}")
+    text = (f"`python report.py {' '.join(sys.argv[1:] if argv is None else argv)}`, "
+            f"wall time {(time.time() - start) / 60:.1f} min\n\n{table}")
+    print(text)
+    if args.command == "runs":
+        Path(f"{args.out}.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":

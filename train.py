@@ -335,7 +335,7 @@ def main(argv=None):
         for old in out.glob("step-*"):
             shutil.rmtree(old)
     for log in ("metrics.jsonl", "eval.jsonl"):
-        truncate_log(out / log, start)
+        truncate_log(out / log, start if start else -1)               # a fresh start keeps no line
     print(f"rollouts: {sparse}; correction: {args.correction}; {args.prompts} prompts x {args.group_size} "
           f"rollouts (train on {args.keep}); {args.steps} steps on {device}")
 
