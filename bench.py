@@ -39,9 +39,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvcache
+from correction import (dense_logprobs, downsample, group_advantages, importance_weights, policy_loss,
+                        rejection_mask, response_logprobs)
 from kvcache import SparseConfig
-from sampler import generate
 from models import load_pretrained
+from sampler import generate
 
 FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, batch=8, prompt=256, new=2048,
             long_new=4096, budget=256, interval=128, repeats=3, long_repeats=1, contexts=(512, 1024, 2048, 4096),
@@ -55,7 +57,7 @@ PRETRAINED = dict(batch=8, prompt=128, new=256, long_new=768, budget=128, interv
 # The sparse samplers compared: four that evict (METHOD.md section 2), and Sparrow's block top-k (section 3),
 # which keeps every token and saves attention work instead, so the memory rows leave it out.
 EVICTION = ["streaming", "h2o", "snapkv", "rkv"]
-SPARSE = EVICTION + [p for p in ("blocktopk",) if p in kvcache.POLICIES]
+SPARSE = EVICTION + ["blocktopk"]
 LONG_POLICY = "snapkv"   # the eviction policy of the long rollout (scaling, 4096 + 256 target)
 HF = "HF generate"
 START = time.perf_counter()
@@ -141,7 +143,7 @@ def eviction_clock():
         return wrapper
 
     saved = [(owner, name, getattr(owner, name)) for owner, name in
-             ((kvcache, "compress"), (kvcache.Layer, "remember"), (kvcache, "top_pages")) if hasattr(owner, name)]
+             ((kvcache, "compress"), (kvcache.Layer, "remember"), (kvcache, "top_pages"))]
     for owner, name, fn in saved:
         setattr(owner, name, timed(fn))
     try:
@@ -242,11 +244,6 @@ def overheads(model, rollouts, dense_seconds, rollout_seconds, s, repeats=50):
     One training step here is the learner's part only (re-score the kept rollouts densely, forward
     with grad, loss, backward, AdamW step), not the rollout: the smallest honest denominator.
     """
-    try:
-        from correction import (dense_logprobs, downsample, group_advantages, importance_weights,
-                                policy_loss, rejection_mask, response_logprobs)
-    except ImportError:   # correction.py has not landed: the rows say TODO
-        return dict(todo="correction.py is missing: rejection + weights + down-sampling not measured")
     start = time.perf_counter()
     logp_old = dense_logprobs(model, rollouts, batch_size=s["batch"])
     rescore = time.perf_counter() - start
@@ -368,15 +365,12 @@ def report(s, results, long, scale, over, lim, wall, machine):
               f"### 3. Scaling: decode ms per token, mean over the {s['interval']} steps up to each context",
               md(["context", "dense", LONG_POLICY, "dense / " + LONG_POLICY],
                  [[r["context"], f"{r['full']:.3f}", f"{r[LONG_POLICY]:.3f}", f"{r['ratio']:.2f}x"] for r in scale])]
-    if "todo" in over:
-        over_rows = [["TODO rejection + weights + down-sampling", "-", "-", over["todo"]]]
-    else:
-        step = over["train_step_seconds"]
-        over_rows = [["rejection + weights + down-sampling", f"{1e3 * over['correction_seconds']:.3f} ms",
-                      f"one training step {step:.2f} s", f"{100 * over['correction_seconds'] / step:.4f} %"],
-                     ["dense re-scoring (pi_old) of the batch", f"{over['rescore_seconds']:.2f} s",
-                      f"the {LONG_POLICY} rollout, the dense rollout", f"{over['rescore_vs_rollout']:.2f}x, "
-                      f"{over['rescore_vs_dense_rollout']:.2f}x"]]
+    step = over["train_step_seconds"]
+    over_rows = [["rejection + weights + down-sampling", f"{1e3 * over['correction_seconds']:.3f} ms",
+                  f"one training step {step:.2f} s", f"{100 * over['correction_seconds'] / step:.4f} %"],
+                 ["dense re-scoring (pi_old) of the batch", f"{over['rescore_seconds']:.2f} s",
+                  f"the {LONG_POLICY} rollout, the dense rollout", f"{over['rescore_vs_rollout']:.2f}x, "
+                  f"{over['rescore_vs_dense_rollout']:.2f}x"]]
     for name in SPARSE:
         over_rows.append([f"choosing what to evict, {name}, interval {s['interval']}", "-", "decode time",
                           f"{100 * results[name]['evict_share']:.1f} %"])
@@ -403,7 +397,7 @@ def report(s, results, long, scale, over, lim, wall, machine):
                [f"choosing < 10 % of decode at interval {s['interval']} (max)",
                 f"{100 * max(results[n]['evict_share'] for n in SPARSE):.1f} %"],
                ["rejection + weights + down-sampling < 1 % of a step",
-                "TODO" if "todo" in over else f"{100 * over['correction_seconds'] / over['train_step_seconds']:.4f} %"]]
+                f"{100 * over['correction_seconds'] / over['train_step_seconds']:.4f} %"]]
     tables += ["### Targets", md(["target", "measured"], targets), f"Total wall time: {wall:.0f} s."]
     record["targets"] = dict(targets)
     return "\n\n".join(tables), record

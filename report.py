@@ -39,13 +39,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import correction as C
-from kvcache import POLICIES, SparseConfig
-from sampler import generate
-from tasks import encode_prompt, load_jsonl, numeric_reward, reward_fn
-from models import CACHE_DIR, SMOLLM2, load_pretrained
 import train
-from train import rewards_of
+from kvcache import POLICIES, SparseConfig
+from models import CACHE_DIR, SMOLLM2, load_pretrained
+from sampler import generate
 from schedule import THRESHOLD
+from tasks import encode_prompt, load_jsonl, numeric_reward, reward_fn
+from train import rewards_of
 
 
 def parse_args(argv=None):

@@ -154,7 +154,8 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
     in the context (eviction is irreversible: a long context never gets back what a short one
     dropped). A schedule evicts earlier than a constant budget does, so the result is re-measured
     and any bin still below the threshold moves to its next candidate, until every bin passes.
-    Returns (Schedule, rows): one row per bin {bins, budget, tail, tokens} of the final measurement.
+    Returns (Schedule, rows): one row per bin {bins, budget, tail, tokens} of the final measurement,
+    plus `profile`: the tail the bin had at each candidate budget held constant (nan: no token).
     `sampling`: temperature, eos_token_id, pad_token_id, seed (as `sampler.generate`).
     """
     if not 0.0 <= threshold <= 1.0:
@@ -182,7 +183,8 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
         choice[movable[0]] += 1                                       # one bin at a time, earliest first
     rows = [dict(bins=(i * bin_size, (i + 1) * bin_size), budget=options[choice[i]],
                  tail=float(measured[i]) if i < len(measured) else float("nan"),
-                 tokens=int(counts[i]) if i < len(counts) else 0) for i in range(n)]
+                 tokens=int(counts[i]) if i < len(counts) else 0,
+                 profile=[tail(i, k) for k in range(len(options) - 1)]) for i in range(n)]
     return schedule, rows
 
 
@@ -348,11 +350,16 @@ def main(argv=None):
         schedule, rows = calibrate(model, prompts, [int(c) for c in args.candidates.split(",")], args.threshold,
                                    args.bin_size, sparse, args.max_new_tokens, eos_token_id=tok.eos_token_id,
                                    pad_token_id=tok.pad_token_id or 0)
-        print(f"| context | budget | tail alpha (p05) | tokens |   ({args.policy}, threshold {args.threshold})")
-        print("|---|---|---|---|")
+        candidates = sorted(set(int(c) for c in args.candidates.split(",")))
+        print(f"Tail alpha (p05) per context bin at each constant candidate budget ({args.policy}), then the "
+              f"chosen budget (the smallest holding {args.threshold}, non-decreasing) and the tail re-measured "
+              "under the whole schedule\n")
+        print("| context | " + " | ".join(f"at {c}" for c in candidates) + " | chosen | tail | tokens |")
+        print("|---|" + "---|" * (len(candidates) + 3))
+        cell = lambda t: "-" if t != t else f"{t:.2f}"                      # nan: the bin had no token
         for r in rows:
-            tail = f"{r['tail']:.3f}" if r["tokens"] else "- (no token)"
-            print(f"| {r['bins'][0]}-{r['bins'][1] - 1} | {r['budget'] or 'dense'} | {tail} | {r['tokens']} |")
+            print(f"| {r['bins'][0]}-{r['bins'][1] - 1} | " + " | ".join(map(cell, r["profile"])) +
+                  f" | {r['budget'] or 'dense'} | {cell(r['tail']) if r['tokens'] else '-'} | {r['tokens']} |")
         schedule.save(args.out)
         print(f"wrote {args.out}")
     if args.speedup:
@@ -368,7 +375,7 @@ def main(argv=None):
         pages = dict(page_size=args.page_size, dense_layers=args.dense_layers) if args.policy == "blocktopk" else {}
         rows = [(f"{args.speedup} as calibrated: {list(schedule.budgets)} from {list(bins)}", schedule),
                 (f"the same stretched x{factor:.0f} to {args.context} tokens", schedule.scaled(factor))]
-        rows += [(f"constant budget {b} (for scale)", constant(b)) for b in (4096, 2048, 1024)]
+        rows += [(f"constant budget {b} (for scale)", constant(b)) for b in (8192, 4096, 2048)]
         print(f"Predicted rollout speedup over dense ({args.policy}, {args.context} tokens decoded at batch "
               f"{args.batch}; cost model of METHOD.md section 6 with H100 bf16 balance)\n")
         print("| schedule | " + " | ".join(QWEN3) + " |\n|---|" + "---|" * len(QWEN3))
