@@ -25,6 +25,7 @@ import random
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,7 @@ from tasks import TASKS, char_tokenizer, encode_prompt, load_jsonl, make_example
 # Sparse-RL at lr 5e-5 fell to 0.922, at 2e-5 to 0.953, at 1e-5 held 0.977.
 # bin_size: the length bins of the per-step tail metrics and the controller (Sparrow: 2048 for 32K-token answers).
 TOY = dict(budget=24, interval=4, window=4, sink=2, max_new_tokens=24, lr=1e-5, bin_size=16)
-PAPER = dict(budget=512, interval=128, window=8, sink=4, max_new_tokens=512, lr=1e-6, bin_size=128)  # Sparse-RL official
+PAPER = dict(budget=512, interval=128, window=8, sink=4, max_new_tokens=512, lr=1e-6, bin_size=128)  # Sparse-RL
 # --model smollm2-135m is the CPU demo: GSM8K prompts are 70-160 tokens, so budget 128 evicts within
 # 256 new tokens. Measured at OMP_NUM_THREADS=1: a step of 2 x 4 rollouts takes about a minute
 # (rollout 33 s, re-scoring 8 s, update 20-27 s), each evaluation of 16 prompts about a minute.
@@ -118,8 +119,8 @@ def parse_args(argv=None):
 
 def check_args(args):
     """Every bad value is one clear error line, before any model is built."""
-    for name in ["budget", "interval", "window", "bin_size", "max_new_tokens", "prompts", "ppo_epochs", "minibatch", "steps",
-                 "eval_every", "eval_size", "save_every"]:
+    for name in ["budget", "interval", "window", "bin_size", "max_new_tokens", "prompts", "ppo_epochs", "minibatch",
+                 "steps", "eval_every", "eval_size", "save_every"]:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.group_size < 2:
@@ -143,15 +144,14 @@ def check_args(args):
 
 def sparse_config(args):
     """The rollout cache: a fixed --budget, a calibrated --schedule, or an online --controller."""
-    sparse = SparseConfig(args.policy, args.budget, args.interval, args.window, args.sink)  # raises on bad values
-    if args.schedule:
-        sparse.schedule = S.Schedule.load(args.schedule)
-    elif args.controller is not None:
+    fixed = SparseConfig(args.policy, args.budget, args.interval, args.window, args.sink)  # raises on bad values
+    if args.schedule:                                                  # replace() checks the schedule's budgets too
+        return replace(fixed, schedule=S.Schedule.load(args.schedule))
+    if args.controller is not None:
         bins = -(-args.max_new_tokens // args.bin_size) + 1              # contexts past the last bin use its budget
-        sparse.schedule = S.Controller(args.controller, args.bin_size, bins, start=args.budget,
-                                       low=sparse.min_budget, step=max(1, args.budget // 8))
-    sparse.__post_init__()                                             # the schedule's budgets are checked too
-    return sparse
+        return replace(fixed, schedule=S.Controller(args.controller, args.bin_size, bins, start=args.budget,
+                                                    low=fixed.min_budget, step=max(1, args.budget // 8)))
+    return fixed
 
 
 # ----------------------------------------------------------------------------- model and data
