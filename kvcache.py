@@ -67,12 +67,11 @@ class SparseConfig:
         for name in ("sink", "dense_layers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
-        what = (f"page_size = {self.page_size}" if self.policy == "blocktopk" else
-                f"window + sink = {self.window} + {self.sink}")
-        low = self.min_budget
-        budget = min([self.budget] if self.schedule is None else [b for b in self.schedule.budgets if b], default=low)
-        if budget < low:
-            raise ValueError(f"budget={budget} must be >= {what}")
+        budget = min([self.budget] if self.schedule is None else [b for b in self.schedule.budgets if b],
+                     default=self.min_budget)
+        if budget < self.min_budget:
+            raise ValueError(f"budget={budget} must be >= " + (f"page_size = {self.page_size}" if
+                             self.policy == "blocktopk" else f"window + sink = {self.window} + {self.sink}"))
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd so pooling keeps the sequence length, got {self.kernel}")
         if not 0.0 <= self.lam <= 1.0:

@@ -18,6 +18,7 @@ What is notable here:
 """
 import argparse
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -133,14 +134,21 @@ def token_contexts(rollouts):
     return contexts.to(rollouts.mask.device).masked_fill(rollouts.mask == 0, -1)
 
 
-def bin_metrics(alpha, contexts, bin_size, budget):
-    """Per-step metrics by length bin: the tail of alpha [N, T] at `contexts` [N, T], the tokens, and the
-    budget in force at each bin's start (`budget`: a Schedule, or an int for a constant one; None = dense)."""
+def bin_metrics(alpha, contexts, bin_size, schedule):
+    """Per-step metrics by length bin: the tail of alpha [N, T] at `contexts` [N, T] (-1: ignore), the
+    tokens, and the largest budget `schedule` (a Schedule or Controller; None = dense) sets in each bin
+    (None where it keeps everything). Lists, one entry per bin; a bin with no token has tail None."""
     tails, counts = tail_by_bin(alpha.cpu(), contexts.cpu(), bin_size)
-    at = lambda c: budget if isinstance(budget, int) else budget(c)
+
+    def largest(start, end):   # the budget only changes at the schedule's bin starts
+        if schedule is None:
+            return None
+        most = max(schedule(c) for c in [start] + [b for b in schedule.bins if start < b < end])
+        return None if most >= DENSE else most
+
     return dict(bin_size=bin_size, tokens_by_bin=counts.tolist(),
-                alpha_p05_by_bin=[None if t != t else round(t, 4) for t in tails.tolist()],   # nan: an empty bin
-                budget_by_bin=[None if at(i * bin_size) >= DENSE else at(i * bin_size) for i in range(len(tails))])
+                alpha_p05_by_bin=[None if math.isnan(t) else round(t, 4) for t in tails.tolist()],
+                budget_by_bin=[largest(i * bin_size, (i + 1) * bin_size) for i in range(len(tails))])
 
 
 # ----------------------------------------------------------------------------- offline: Sparrow
@@ -197,55 +205,64 @@ class Controller:
     (pi_old, METHOD.md section 5), at the sampler's top-k ids; `acceptance` of those is alpha_t for
     free, so `update(alpha, positions)` costs a quantile per bin and no forward pass. (Outside
     training the probe is `measure` on a few rows: one dense forward over prompt + response each.)
-    The rule: a bin whose tail is below `threshold` multiplies its budget by `up` (fast, because a
-    collapse is costly); if it no longer evicts, the latest earlier bin that does is raised instead,
-    since what that bin dropped is lost for good. A bin above `threshold + band`, with no failing bin after it, lowers
-    its budget by `step` (slow). Bins with fewer than `min_tokens` tokens are left alone. Budgets
-    stay in [low, high] and non-decreasing.
+    The rule, per update:
+    - a bin whose tail is below `threshold` multiplies a budget by `up` (fast: a collapse is costly).
+      Its own if it evicts; if it does not, what it misses was dropped earlier, for good, so the
+      latest earlier bin that evicts is raised instead; if none does, eviction is not the cause and
+      nothing moves. A bin evicts if its contexts reach budget + `interval` (the cache compresses there);
+    - a bin above `threshold + band`, with no failing bin at or after it, lowers its budget by `step` (slow);
+    - bins with fewer than `min_tokens` tokens are left alone; contexts past the last bin count in
+      it (its budget holds there); budgets stay in [low, high] and non-decreasing.
     Usable wherever a Schedule is: `SparseConfig(policy, schedule=controller)`.
     """
 
     def __init__(self, threshold=THRESHOLD, bin_size=16, bins=8, start=64, low=16, high=4096,
-                 step=8, up=1.5, band=0.03, min_tokens=20, q=0.05):
+                 step=8, up=1.5, band=0.03, min_tokens=20, q=0.05, interval=1):
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
         if not 1 <= low <= start <= high:
             raise ValueError(f"need 1 <= low <= start <= high, got {low}, {start}, {high}")
-        self.threshold, self.bin_size, self.low, self.high = threshold, bin_size, low, high
+        self.threshold, self.bin_size, self.low, self.high, self.interval = threshold, bin_size, low, high, interval
         self.step, self.up, self.band, self.min_tokens, self.q = step, up, band, min_tokens, q
         self.schedule = piecewise([i * bin_size for i in range(bins)], [start] * bins)
         self.history = []                                             # per update: (budgets, tails)
 
-    budgets = property(lambda self: self.schedule.budgets)
+    @property
+    def budgets(self):
+        return self.schedule.budgets
+
+    @property
+    def bins(self):
+        return self.schedule.bins
 
     def __repr__(self):
-        return f"Controller(threshold={self.threshold}, bins={list(self.schedule.bins)}, budgets={list(self.budgets)})"
+        return f"Controller(threshold={self.threshold}, bins={list(self.bins)}, budgets={list(self.budgets)})"
 
     def __call__(self, context):
         return self.schedule(context)
 
-    def update(self, alpha, positions):
-        """Move each bin's budget toward the threshold from one batch's alpha, positions [N, T]."""
-        tails, counts = tail_by_bin(alpha, positions, self.bin_size, self.q)
-        budgets, n = list(self.budgets), min(len(self.budgets), len(tails))
-        failing = [i for i in range(n) if counts[i] >= self.min_tokens and tails[i] < self.threshold]
-        # Eviction is irreversible: a failing bin that no longer evicts (budget past its contexts) suffers from
-        # what an earlier bin dropped, so it raises the latest earlier bin that still evicts, as `calibrate`
-        # does. A bin is lowered only when it and every later bin hold the threshold.
+    def measure(self, alpha, positions):
+        """Per bin of the schedule: (tails, token counts, longest context) from alpha, positions [N, T]."""
         real = positions >= 0
-        longest = torch.full((len(tails),), -1, dtype=torch.long).scatter_reduce(
-            0, positions[real] // self.bin_size, positions[real], "amax")    # longest context seen per bin
-        evicts = lambda j: counts[j] >= self.min_tokens and budgets[j] < longest[j]
-        blamed = {i if evicts(i) else max([j for j in range(i) if evicts(j)], default=i) for i in failing}
-        for j in blamed:
+        which = (positions[real] // self.bin_size).clamp(max=len(self.budgets) - 1)   # past the end: the last bin
+        tails, counts = tail_by_bin(alpha[real], which * self.bin_size, self.bin_size, self.q)
+        longest = torch.full((len(tails),), -1, dtype=torch.long).scatter_reduce(0, which, positions[real], "amax")
+        return tails, counts, longest
+
+    def update(self, alpha, positions):
+        """Move the budgets toward the threshold from one batch's alpha, positions [N, T]; -> the new Schedule."""
+        tails, counts, longest = self.measure(alpha, positions)
+        budgets, seen = list(self.budgets), [i for i in range(len(tails)) if counts[i] >= self.min_tokens]
+        failing = [i for i in seen if tails[i] < self.threshold]
+        evicts = lambda j: j in seen and budgets[j] + self.interval <= longest[j]
+        for j in {i if evicts(i) else max([j for j in range(i) if evicts(j)], default=None) for i in failing} - {None}:
             budgets[j] = min(self.high, int(budgets[j] * self.up + 0.5))
-        for i in range(n):
-            if counts[i] >= self.min_tokens and tails[i] > self.threshold + self.band and \
-                    not any(f >= i for f in failing):
+        for i in seen:
+            if tails[i] > self.threshold + self.band and not any(f >= i for f in failing):
                 budgets[i] = max(self.low, budgets[i] - self.step)
         for i in range(1, len(budgets)):
             budgets[i] = max(budgets[i], budgets[i - 1])
-        self.schedule = piecewise(self.schedule.bins, budgets)
+        self.schedule = piecewise(self.bins, budgets)
         self.history.append((self.budgets, tails.tolist()))
         return self.schedule
 
@@ -356,7 +373,7 @@ def main(argv=None):
               "under the whole schedule\n")
         print("| context | " + " | ".join(f"at {c}" for c in candidates) + " | chosen | tail | tokens |")
         print("|---|" + "---|" * (len(candidates) + 3))
-        cell = lambda t: "-" if t != t else f"{t:.2f}"                      # nan: the bin had no token
+        cell = lambda t: "-" if math.isnan(t) else f"{t:.2f}"              # nan: the bin had no token
         for r in rows:
             print(f"| {r['bins'][0]}-{r['bins'][1] - 1} | " + " | ".join(map(cell, r["profile"])) +
                   f" | {r['budget'] or 'dense'} | {cell(r['tail']) if r['tokens'] else '-'} | {r['tokens']} |")
@@ -373,8 +390,9 @@ def main(argv=None):
         end = bins[-1] + (bins[-1] - bins[-2] if len(bins) > 1 else 0)   # where the last bin ends
         factor = args.context / max(end, 1)
         pages = dict(page_size=args.page_size, dense_layers=args.dense_layers) if args.policy == "blocktopk" else {}
-        rows = [(f"{args.speedup} as calibrated: {list(schedule.budgets)} from {list(bins)}", schedule),
-                (f"the same stretched x{factor:.0f} to {args.context} tokens", schedule.scaled(factor))]
+        rows = [(f"{args.speedup} as calibrated: {list(schedule.budgets)} from {list(bins)}", schedule)]
+        if len(bins) > 1:                                               # a constant budget has no length to stretch
+            rows.append((f"the same stretched x{factor:.0f} to {args.context} tokens", schedule.scaled(factor)))
         rows += [(f"constant budget {b} (for scale)", constant(b)) for b in (8192, 4096, 2048)]
         print(f"Predicted rollout speedup over dense ({args.policy}, {args.context} tokens decoded at batch "
               f"{args.batch}; cost model of METHOD.md section 6 with H100 bf16 balance)\n")

@@ -150,7 +150,8 @@ def sparse_config(args):
     if args.controller is not None:
         bins = -(-args.max_new_tokens // args.bin_size) + 1              # contexts past the last bin use its budget
         return replace(fixed, schedule=S.Controller(args.controller, args.bin_size, bins, start=args.budget,
-                                                    low=fixed.min_budget, step=max(1, args.budget // 8)))
+                                                    low=fixed.min_budget, step=max(1, args.budget // 8),
+                                                    interval=args.interval))
     return fixed
 
 
@@ -215,7 +216,8 @@ def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, st
                                     *args.band))
     # Sparrow's tail per length bin (METHOD.md section 4); the controller's probe is this same measurement
     alpha, contexts = C.acceptance(topk_old, rollouts.topk_logprobs), S.token_contexts(rollouts)
-    metrics.update(S.bin_metrics(alpha, contexts, args.bin_size, sparse.schedule or sparse.budget))
+    budget = None if sparse.policy == "full" else sparse.schedule or S.constant(sparse.budget)
+    metrics.update(S.bin_metrics(alpha, contexts, args.bin_size, budget))
     if isinstance(sparse.schedule, S.Controller):                      # the next step samples with new budgets
         sparse.schedule.update(alpha.cpu(), contexts.cpu())
     mask, weights = rollouts.mask, torch.ones_like(rollouts.mask)
@@ -327,7 +329,11 @@ def main(argv=None):
         np.random.set_state(state["numpy_rng"])
         random.setstate(state["python_rng"])
         if controller:                                                   # its budgets are state, like the weights
-            controller.schedule = S.piecewise(controller.schedule.bins, state["budgets"])
+            budgets = state.get("budgets")
+            if budgets is None or len(budgets) != len(controller.bins):
+                sys.exit(f"error: {ckpt} holds no controller budgets for {len(controller.bins)} bins (found "
+                         f"{budgets}); resume with the --controller, --bin-size and --max-new-tokens it was saved with")
+            controller.schedule = S.piecewise(controller.bins, budgets)
         start = state["step"]
         print(f"resuming from {ckpt} (step {start})")
     elif last_checkpoint(out):

@@ -9,8 +9,8 @@ import torch
 from kvcache import DENSE, SparseConfig
 from reference import tiny_model
 from sampler import generate
-from schedule import (Controller, Schedule, acceptance, calibrate, constant, cost, measure, piecewise, speedup,
-                      tail_by_bin)
+from schedule import (Controller, Schedule, acceptance, bin_metrics, calibrate, constant, cost, measure, piecewise,
+                      speedup, tail_by_bin, token_contexts)
 
 PROMPTS = [[1 + (7 * i + j) % 60 for j in range(6 + 3 * i)] for i in range(6)]   # lengths 6..21
 SPARSE = SparseConfig("snapkv", budget=6, interval=2, window=2, sink=2, kernel=3)
@@ -101,20 +101,42 @@ def test_controller_holds_the_tail_where_a_constant_budget_of_the_same_mean_does
     assert min(t for t, c in zip(const_tails.tolist(), const_counts.tolist()) if c >= 5) < 0.97
 
 
-def test_a_failing_bin_that_evicts_nothing_raises_the_earlier_bin_that_did():
-    # Bins of 16. Bin 2 (contexts 40-41) fails at budget 54: it evicts nothing, so what it misses was dropped
-    # in bin 1 (budget 24 below its contexts 28-30), which is raised x1.5. No bin is lowered: one failed.
+def test_a_failing_bin_raises_the_bin_whose_eviction_it_suffers():
+    # Bins of 16, interval 1 (a bin evicts if its contexts reach budget + 1). Bin 2 (contexts 40-41) fails at
+    # budget 54: it evicts nothing, so what it misses was dropped in bin 1 (24 + 1 <= 30), which is raised x1.5.
+    # No bin is lowered: one at or after each of them failed.
     c = Controller(threshold=0.9, bin_size=16, bins=3, start=24, low=8, step=4, up=1.5, band=0.03, min_tokens=2)
     c.schedule = piecewise([0, 16, 32], [24, 24, 54])
-    positions = torch.tensor([[5, 6, 28, 30, 40, 41]])
-    c.update(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.1, 0.1]]), positions)
+    near, far = torch.tensor([[5, 6, 28, 30, 40, 41]]), torch.tensor([[5, 6, 28, 30, 60, 61]])
+    c.update(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.1, 0.1]]), near)
     assert c.budgets == (24, 36, 54)
-    # Bin 1 fails at 36: no earlier bin evicts, so it raises itself; bin 2 holds and is lowered (54 - 4),
-    # then lifted back to bin 1's 54 (budgets never decrease with the context); bin 0 stays (a later bin failed)
-    c.update(torch.tensor([[1.0, 1.0, 0.5, 0.5, 1.0, 1.0]]), positions)
-    assert c.budgets == (24, 54, 54)
-    c.update(torch.ones(1, 6), positions)                                # every bin holds: all lowered by 4
-    assert c.budgets == (20, 50, 50)
+    c.update(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.1, 0.1]]), far)      # contexts 60-61: bin 2 evicts, raises itself
+    assert c.budgets == (24, 36, 81)
+    c.update(torch.tensor([[1.0, 1.0, 0.5, 0.5, 1.0, 1.0]]), near)     # bin 1 fails, but no bin up to it evicts:
+    assert c.budgets == (24, 36, 77)                                     # nothing raised; bin 2 holds, lowered
+    c.update(torch.ones(1, 6), near)                                     # every bin holds: all lowered by 4
+    assert c.budgets == (20, 32, 73)
+    c.update(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.1, 0.1]]), torch.tensor([[5, 6, 28, 30, 200, 300]]))
+    assert c.budgets == (20, 32, 110)                                    # contexts past the last bin count in it
+
+
+def test_bin_metrics_by_hand():
+    alpha = torch.tensor([[1.0, 0.5, 0.25, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    contexts = torch.tensor([[3, 4, 20, -1], [5, 6, 7, -1]])            # -1: not a response token
+    m = bin_metrics(alpha, contexts, 8, piecewise([0, 4, 16], [6, 10, None]))
+    assert m["tokens_by_bin"] == [5, 0, 1] and m["alpha_p05_by_bin"][1] is None
+    assert m["alpha_p05_by_bin"][0] == pytest.approx(np.quantile([1.0, 0.5, 1.0, 1.0, 0.0], 0.05))
+    assert m["budget_by_bin"] == [10, 10, None]                          # the largest budget in each bin; None: dense
+    assert bin_metrics(alpha, contexts, 8, None)["budget_by_bin"] == [None, None, None]
+    assert bin_metrics(alpha, contexts, 8, constant(24))["budget_by_bin"] == [24, 24, 24]
+
+
+def test_token_contexts_and_scaled_schedules():
+    rollouts = generate(tiny_model("llama"), [[1, 2, 3], [4, 5]], SPARSE, max_new_tokens=3, eos_token_id=None)
+    rollouts.mask = rollouts.mask.clone()
+    rollouts.mask[1, 2] = 0                                             # as if row 1 had ended
+    assert token_contexts(rollouts).tolist() == [[3, 4, 5], [2, 3, -1]]
+    assert piecewise([0, 8], [6, None]).scaled(2.5) == piecewise([0, 20], [15, None])
 
 
 # 5. the cost model
