@@ -392,8 +392,10 @@ def summary(out, first, last, history, sparse, seconds):
         print(f"mismatch: mean rho {mean('rho_mean'):.3f}, alpha p05 {mean('alpha_p05'):.3f} (mean over steps)")
         size, by_bin = history[-1]["bin_size"], [m["alpha_p05_by_bin"] for m in history[-k:]]
         tails = [[t[i] for t in by_bin if i < len(t) and t[i] is not None] for i in range(max(map(len, by_bin)))]
+        held = sum(all(t is None or t >= S.THRESHOLD for t in m["alpha_p05_by_bin"]) for m in history)
         print(f"alpha p05 by context length, mean over the last {k} steps: " + ", ".join(
-            f"{i * size}-{(i + 1) * size - 1}: {np.mean(t):.3f}" for i, t in enumerate(tails) if t))
+            f"{i * size}-{(i + 1) * size - 1}: {np.mean(t):.3f}" for i, t in enumerate(tails) if t) +
+            f"; >= {S.THRESHOLD} in every bin on {held} of {len(history)} steps")
         if sparse.schedule is not None:
             print(f"budget by context length at the end: {sparse.schedule}")
     print(f"wall time: {seconds / 60:.1f} min; metrics in {out}/metrics.jsonl")
