@@ -169,6 +169,7 @@ def comparison_rows(groups, robust=None):
 
     seeds              runs averaged
     dense before RL    greedy accuracy on the held-out prompts with a full cache at step 0, mean ± std
+    sparse before RL   the same through the run's training cache: what eviction costs the warm-started model
     dense, sparse      the same after the last step, with a full cache and through the run's training cache
                        (a dense run trains with a full cache, so its two columns agree)
     sparse @ B         the final model through the run's cache at budget B (`robust`: {variant: [[acc per B] per seed]})
@@ -180,8 +181,8 @@ def comparison_rows(groups, robust=None):
     rows = []
     for variant, runs in groups.items():
         metrics, evals = [m for m, _ in runs], [e for _, e in runs]
-        row = [variant, len(runs), pm([e[0]["dense"] for e in evals]), pm([e[-1]["dense"] for e in evals]),
-               pm([e[-1]["sparse"] for e in evals])]
+        row = [variant, len(runs), pm([e[0]["dense"] for e in evals]), pm([e[0]["sparse"] for e in evals]),
+               pm([e[-1]["dense"] for e in evals]), pm([e[-1]["sparse"] for e in evals])]
         row += [pm(accs) for accs in zip(*robust[variant])] if robust else []
         total = lambda key, ms: sum(m[key] for m in ms)
         row += [f"{np.mean([np.mean([m['peak_kv_bytes'] / m['dense_kv_bytes'] for m in ms]) for ms in metrics]):.1%}",
@@ -244,10 +245,11 @@ def markdown(header, rows):
 
 def report_text(groups, budgets=(), robust=None):
     """The comparison, the tail per length bin and the PODS table, each with its meaning in one line above it."""
-    header = ["variant", "seeds", "dense before RL", "dense", "sparse", *[f"sparse @ {b}" for b in budgets],
+    header = ["variant", "seeds", "dense before RL", "sparse before RL", "dense", "sparse",
+              *[f"sparse @ {b}" for b in budgets],
               "peak KV vs dense", "rejected tokens", "vetoed", "train time (s)"]
-    text = ["Greedy accuracy on each run's held-out prompts, mean ± std over seeds: with a full cache (dense) before "
-            "and after RL, and after RL through the run's training cache (sparse; full for a dense run)"
+    text = ["Greedy accuracy on each run's held-out prompts, mean ± std over seeds: with a full cache (dense) and "
+            "through the run's training cache (sparse; full for a dense run), before and after RL"
             + (", or its cache at budget B (sparse @ B)" if budgets else "") + "; mean over seeds of: the rollouts' "
             "peak KV against a full cache, the share of response tokens the rejection dropped, the responses it "
             "vetoed, and the seconds spent sampling, re-scoring and updating.", "",

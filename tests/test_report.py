@@ -64,13 +64,13 @@ def test_the_tables_hold_the_hand_computed_numbers(runs, tmp_path, capsys):
     text = capsys.readouterr().out
     comparison, tail, pods = tables(text)
     assert list(comparison) == ["variant", "grpo", "pods", "naive"]          # the order given, not sorted
-    assert comparison["variant"] == ["seeds", "dense before RL", "dense", "sparse", "peak KV vs dense",
+    assert comparison["variant"] == ["seeds", "dense before RL", "sparse before RL", "dense", "sparse", "peak KV vs dense",
                                      "rejected tokens", "vetoed", "train time (s)"]
     # grpo: final dense 0.6, 0.8 -> 0.7 ± sqrt(0.02) = 0.141; KV (0.5 + 0.5 + 0.4) / 3 and (0.6 + 0.6 + 0.3) / 3
     # -> 48.3 %; rejected 40/400 and 30/800 -> 6.9 %; vetoed 3 and 1; seconds 2 + 3 + 2 and 3 + 2 + 4 -> 8
-    assert comparison["grpo"] == ["2", "0.500 ± 0.000", "0.700 ± 0.141", "0.400 ± 0.141", "48.3%", "6.9%", "2.0", "8"]
-    assert comparison["pods"] == ["2", "0.500 ± 0.000", "0.800 ± 0.141", "0.600 ± 0.141", "100.0%", "0.0%", "0.0", "6"]
-    assert comparison["naive"] == ["1", "0.500 ± 0.000", "0.650 ± 0.000", "0.100 ± 0.000", "25.0%", "5.0%", "0.0", "9"]
+    assert comparison["grpo"] == ["2", "0.500 ± 0.000", "0.300 ± 0.000", "0.700 ± 0.141", "0.400 ± 0.141", "48.3%", "6.9%", "2.0", "8"]
+    assert comparison["pods"] == ["2", "0.500 ± 0.000", "0.500 ± 0.000", "0.800 ± 0.141", "0.600 ± 0.141", "100.0%", "0.0%", "0.0", "6"]
+    assert comparison["naive"] == ["1", "0.500 ± 0.000", "0.300 ± 0.000", "0.650 ± 0.000", "0.100 ± 0.000", "25.0%", "5.0%", "0.0", "9"]
     # bin 0-15: (1 + .9 + 1 + .8 + 1 + .9) / 6; 16-31: (.8 + .6 + .7 + .5) / 4; 32-47: (.2 + .4) / 2
     assert tail == {"variant": ["0-15", "16-31", "32-47"], "grpo": ["0.933", "0.650", "0.300"],
                     "pods": ["1.000", "-", "-"], "naive": ["0.500", "0.400", "-"]}
@@ -145,5 +145,5 @@ def test_robust_budgets_reproduce_the_runs_own_final_evaluations(tmp_path, capsy
     capsys.readouterr()
     report.main(["runs", str(folder), "--robust-budgets", "10", "64", "--out", str(tmp_path / "r")])
     comparison = tables(capsys.readouterr().out)[0]
-    assert comparison["variant"][4:6] == ["sparse @ 10", "sparse @ 64"]
-    assert comparison["tiny"][4:6] == [f"{final['sparse']:.3f} ± 0.000", f"{final['dense']:.3f} ± 0.000"]
+    assert comparison["variant"][5:7] == ["sparse @ 10", "sparse @ 64"]
+    assert comparison["tiny"][5:7] == [f"{final['sparse']:.3f} ± 0.000", f"{final['dense']:.3f} ± 0.000"]
