@@ -6,7 +6,7 @@
     python train.py --resume                     # continue from the last checkpoint in --out
     python train.py --model PATH --data train.jsonl --eval-data test.jsonl --device cuda --dtype bfloat16
     python train.py --model smollm2-135m --data ../shared/data/gsm8k/train.jsonl \
-        --eval-data ../shared/data/gsm8k/test.jsonl  # a real model on the CPU: 5 steps, ~10 min at 1 thread
+        --eval-data ../shared/data/gsm8k/test.jsonl  # a real model on the CPU: the 5-step CPU preset
 
 With no --model, a 2-layer Llama is built from a transformers config, warmed up with a short
 supervised phase on the toy task (cached in <out>/warmup, so the next run skips it), then
