@@ -49,7 +49,7 @@ FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, bat
             long_new=4096, budget=256, interval=128, repeats=3, long_repeats=1, contexts=(512, 1024, 2048, 4096),
             mm=2048, keep=4)
 QUICK = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, batch=4, prompt=16, new=48,
-             long_new=120, budget=16, interval=8, repeats=2, long_repeats=1, contexts=(32, 64, 128), mm=256, keep=2)
+             long_new=120, budget=16, interval=8, repeats=2, long_repeats=1, contexts=(32, 64, 136), mm=256, keep=2)
 # A pretrained --model: shorter runs than FULL (SmolLM2-135M decodes ~60 tokens/s at batch 8 on one CPU
 # thread), its own shape filled in by build_model, and a budget that evicts within prompt + 256 new.
 PRETRAINED = dict(batch=8, prompt=128, new=256, long_new=768, budget=128, interval=32, repeats=2, long_repeats=1,
@@ -226,7 +226,8 @@ def scaling(long, s):
         row = dict(context=context)
         for name, run in long.items():
             stamps, first = run["stamps"], context - s["interval"] - s["prompt"] + 1
-            steps = [stamps[i + 1] - stamps[i] for i in range(max(first, 1), context - s["prompt"] + 1)]
+            last = min(context - s["prompt"], len(stamps) - 2)   # a context at prompt + new ends at the last step
+            steps = [stamps[i + 1] - stamps[i] for i in range(max(first, 1), last + 1)]
             row[name] = 1e3 * statistics.mean(steps) / s["batch"] if steps else float("nan")
         row["ratio"] = row["full"] / row[LONG_POLICY]
         table.append(row)
