@@ -43,6 +43,7 @@ from correction import (dense_logprobs, downsample, group_advantages, importance
                         rejection_mask, response_logprobs)
 from kvcache import SparseConfig
 from models import load_pretrained
+from report import markdown
 from sampler import generate
 
 FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, batch=8, prompt=256, new=2048,
@@ -312,12 +313,6 @@ def limit(s, dense, n=None, repeats=5):
 
 # ----------------------------------------------------------------------------- the report
 
-def md(header, rows):
-    """A markdown table from a header list and rows of already formatted cells."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
-
-
 def report(s, results, long, scale, over, lim, wall, machine):
     """Build the printed tables and the JSON record from the measurements."""
     B, new = s["batch"], s["new"]
@@ -358,13 +353,13 @@ def report(s, results, long, scale, over, lim, wall, machine):
               f"eviction budget {s['budget']}, interval {s['interval']}.",
               f"### 1. Throughput ({new} new tokens, median of {s['repeats']} rounds; long rows: {s['long_new']} new, "
               f"{s['long_repeats']} round)",
-              md(["sampler", "tokens/s", "vs HF", "vs dense", "peak KV vs dense", "choosing what to evict", "same tokens as HF"], rows),
+              markdown(["sampler", "tokens/s", "vs HF", "vs dense", "peak KV vs dense", "choosing what to evict", "same tokens as HF"], rows),
               "Runs disturbed by other processes (run number, cores they kept busy): " + (", ".join(disturbed) or "none")
               + (". Rerun on an idle machine before trusting the ratios." if disturbed else "."),
               "### 2. Memory: peak KV cache, checked against 2 * layers * kv_heads * head_dim * tokens * 4 bytes * batch",
-              md(["cache", "peak tokens", "peak MiB", "formula MiB", "match", "vs dense"], memory),
+              markdown(["cache", "peak tokens", "peak MiB", "formula MiB", "match", "vs dense"], memory),
               f"### 3. Scaling: decode ms per token, mean over the {s['interval']} steps up to each context",
-              md(["context", "dense", LONG_POLICY, "dense / " + LONG_POLICY],
+              markdown(["context", "dense", LONG_POLICY, "dense / " + LONG_POLICY],
                  [[r["context"], f"{r['full']:.3f}", f"{r[LONG_POLICY]:.3f}", f"{r['ratio']:.2f}x"] for r in scale])]
     step = over["train_step_seconds"]
     over_rows = [["rejection + weights + down-sampling", f"{1e3 * over['correction_seconds']:.3f} ms",
@@ -378,9 +373,9 @@ def report(s, results, long, scale, over, lim, wall, machine):
     for name, share in over.get("interval_1", {}).items():
         over_rows.append([f"choosing what to evict, {name}, interval 1 ({s['new'] // 4} new)", "-", "decode time",
                           f"{100 * share:.1f} %"])
-    tables += ["### 4. Overheads", md(["what", "time", "against", "share"], over_rows),
+    tables += ["### 4. Overheads", markdown(["what", "time", "against", "share"], over_rows),
                "### 5. The limit (FLOPs: matrix products only; bytes: all weights + the whole KV cache per step)",
-               md(["measure", "machine", "our dense decode", "fraction"],
+               markdown(["measure", "machine", "our dense decode", "fraction"],
                   [[f"matmul FLOP/s (torch.mm {s['mm']}^3, fp32)", f"{lim['mm_flops'] / 1e9:.1f} G",
                     f"{lim['decode_flops'] / 1e9:.2f} G ({lim['flops_per_token'] / 1e6:.1f} MFLOP/token)",
                     f"{100 * lim['decode_flops'] / lim['mm_flops']:.1f} %"],
@@ -399,7 +394,7 @@ def report(s, results, long, scale, over, lim, wall, machine):
                 f"{100 * max(results[n]['evict_share'] for n in SPARSE):.1f} %"],
                ["rejection + weights + down-sampling < 1 % of a step",
                 f"{100 * over['correction_seconds'] / over['train_step_seconds']:.4f} %"]]
-    tables += ["### Targets", md(["target", "measured"], targets), f"Total wall time: {wall:.0f} s."]
+    tables += ["### Targets", markdown(["target", "measured"], targets), f"Total wall time: {wall:.0f} s."]
     record["targets"] = dict(targets)
     return "\n\n".join(tables), record
 

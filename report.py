@@ -239,6 +239,7 @@ def reach_rows(groups):
 
 
 def markdown(header, rows):
+    """A markdown table from a header list and rows of cells (any values; str() of each)."""
     return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
                      ["| " + " | ".join(map(str, row)) + " |" for row in rows])
 
