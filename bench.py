@@ -6,23 +6,18 @@
     python bench.py --model smollm2-135m   # a real pretrained model (train.py's --model), ~10 minutes
 
 One run measures, on whatever device is present, and prints five markdown tables plus a JSON file:
-1. Throughput: generated tokens per second of Hugging Face `model.generate` (its default dynamic
-   cache), our sampler with the full cache, and our sampler with each eviction policy (budget 256,
-   interval 128), on a random Llama with grouped-query attention (or on --model, with shorter runs).
-   Each is the median of `--repeats` rounds after a warm-up; a round runs every sampler once, back
-   to back (every other round in reverse order), so a disturbance (another job on the machine) hits
-   all of them alike. "vs HF" and "vs dense" divide those medians. Keep the machine otherwise idle: with every core busy,
-   a second job stalls PyTorch's threads and can slow a run several times over.
-2. Memory: the peak KV cache of each run, checked against `2 * layers * kv_heads * head_dim * tokens
-   * bytes * batch`, and as a fraction of the dense cache.
+1. Throughput: tokens per second of Hugging Face `model.generate` (its dynamic cache), our sampler with
+   the full cache, with each eviction policy (budget 256, interval 128) and with block top-k, on a
+   random Llama with grouped-query attention (or --model, shorter runs). Each is the median of
+   `--repeats` rounds after a warm-up; a round runs every sampler once, back to back (every other
+   round reversed), so a disturbance hits all alike; runs that other processes disturbed are listed.
+   Keep the machine idle: a second job stalls PyTorch's threads and can slow a run several times over.
+2. Memory: the peak KV cache of each run, against `2 * layers * kv_heads * head_dim * tokens * bytes * batch`.
 3. Scaling: decode time per token around each context length, from per-step timestamps of one long
-   rollout: the dense cache grows with the context, an evicting cache stays flat.
-4. Overheads: time spent choosing what to evict (scoring + keeping, timed around `kvcache.compress`
-   and the window-query bookkeeping) as a share of decode time; rejection + weights + down-sampling
-   against one training step; dense re-scoring (pi_old) against the rollout it re-scores.
-5. The limit: the measured matrix-multiply FLOP/s and copy bandwidth, and how much of each our dense
-   decode achieves. Decode on a CPU is bound by memory traffic (weights + KV cache per step).
-Section 3 is also drawn to <out>_scaling.png when matplotlib is installed (optional).
+   rollout (also drawn to <out>_scaling.png when matplotlib is installed).
+4. Overheads: time spent choosing (what to evict, or which pages) as a share of decode time;
+   rejection + weights + down-sampling against one training step; dense re-scoring against the rollout.
+5. The limit: the measured matmul FLOP/s and copy bandwidth, and how much of each our dense decode uses.
 Timings are measurements, never assertions: no test checks a speed.
 """
 import argparse
@@ -56,7 +51,7 @@ QUICK = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, batch
 PRETRAINED = dict(batch=8, prompt=128, new=256, long_new=768, budget=128, interval=32, repeats=2, long_repeats=1,
                   contexts=(256, 512, 896), mm=2048, keep=4)
 # The sparse samplers compared: four that evict (METHOD.md section 2), and Sparrow's block top-k (section 3),
-# which keeps every token and saves attention work instead, so the memory rows leave it out.
+# which keeps every token and saves attention work instead (SparseConfig's page size and dense layers).
 EVICTION = ["streaming", "h2o", "snapkv", "rkv"]
 SPARSE = EVICTION + ["blocktopk"]
 LONG_POLICY = "snapkv"   # the eviction policy of the long rollout (scaling, 4096 + 256 target)
@@ -284,118 +279,115 @@ def limit(s, dense, n=None, repeats=5):
     per token for attention (q.k and p.v). Norms, rotary, softmax and sampling are not counted.
     Bytes: every step reads all linear weights once and the whole KV cache once.
     """
+    def rate(work, fn):   # work per second, median of `repeats` timed calls after one warm-up call
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return work / statistics.median(times)
+
     n = n or s["mm"]
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    mm = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        mm.append(2 * n ** 3 / (time.perf_counter() - start))
-    big = torch.randn(32 * n * n)
+    a, b, big = torch.randn(n, n), torch.randn(n, n), torch.randn(32 * n * n)
     out = torch.empty_like(big)
-    out.copy_(big)
-    bandwidth = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out.copy_(big)
-        bandwidth.append(2 * big.numel() * 4 / (time.perf_counter() - start))
     L, H, D, B = s["layers"], s["heads"], s["hidden"] // s["heads"], s["batch"]
     linear = L * (2 * s["hidden"] ** 2 + 2 * s["hidden"] * s["kv_heads"] * D + 3 * s["hidden"] * s["ffn"])
     linear += s["hidden"] * s["vocab"]
     fed = s["prompt"] + s["new"] - 1                       # every token but the last passes the model once
     flops = B * (2 * linear * fed + 4 * L * H * D * fed * (fed + 1) / 2)
     traffic = s["new"] * 4 * linear + sum(kv_formula(s, c) for c in range(s["prompt"], fed + 1))
-    return dict(mm_flops=statistics.median(mm), copy_bytes_per_s=statistics.median(bandwidth),
+    return dict(mm_flops=rate(2 * n ** 3, lambda: torch.mm(a, b)),
+                copy_bytes_per_s=rate(2 * big.numel() * 4, lambda: out.copy_(big)),   # read + write
                 decode_flops=flops / dense["seconds"], flops_per_token=2 * linear + 4 * L * H * D * (fed + 1) / 2,
                 decode_bytes_per_s=traffic / dense["seconds"])
 
 
 # ----------------------------------------------------------------------------- the report
 
+def choosing(name, s):
+    """What a sampler's "choosing" time is: eviction every `interval` steps, or pages at every step."""
+    return "pages, every step" if name not in EVICTION else f"evict, interval {s['interval']}"
+
+
 def report(s, results, long, scale, over, lim, wall, machine):
     """Build the printed tables and the JSON record from the measurements."""
-    B, new = s["batch"], s["new"]
+    B, new, dense = s["batch"], s["new"], results["full"]
     speed = {name: B * new / r["seconds"] for name, r in results.items()}
     long_speed = {name: B * s["long_new"] / r["seconds"] for name, r in long.items()}
-    hf_tokens = results[HF]["tokens"]
-    dense_bytes = results["full"]["peak_kv_bytes"]
-    rows, memory, record = [], [], dict(settings={k: v for k, v in s.items()}, machine=machine, throughput={})
+    pct = lambda x: f"{100 * x:.1f} %"
+    record = dict(settings=dict(s), machine=machine, throughput={}, scaling=scale, overheads=over, limit=lim,
+                  wall_seconds=wall)
+    rows, memory = [], []
     for name, r in results.items():
-        same = "-" if name == HF else f"{(r['tokens'] == hf_tokens).float().mean().item():.3f}"
-        share = f"{100 * r['evict_share']:.1f} %" if name not in (HF, "full") else "-"
-        label = name if name == HF else f"ours {name}"
+        label, formula = name if name == HF else f"ours {name}", kv_formula(s, r["peak_kv_tokens"])
+        same = None if name == HF else bool(torch.equal(r["tokens"], results[HF]["tokens"]))
         rows.append([label, f"{speed[name]:.1f}", f"{speed[name] / speed[HF]:.2f}x", f"{speed[name] / speed['full']:.2f}x",
-                     f"{r['peak_kv_bytes'] / dense_bytes:.3f}", share, same])
-        formula = kv_formula(s, r["peak_kv_tokens"])
+                     f"{r['peak_kv_bytes'] / dense['peak_kv_bytes']:.3f}", pct(r["evict_share"]) if name in SPARSE else "-",
+                     "-" if name == HF else f"{(r['tokens'] == results[HF]['tokens']).float().mean().item():.3f}"])
         memory.append([label, r["peak_kv_tokens"], f"{r['peak_kv_bytes'] / 2**20:.2f}", f"{formula / 2**20:.2f}",
-                       "yes" if formula == r["peak_kv_bytes"] else "NO", f"{r['peak_kv_bytes'] / dense_bytes:.3f}"])
-        record["throughput"][name] = dict(tokens_per_s=speed[name], vs_hf=speed[name] / speed[HF],
-                                          vs_dense=speed[name] / speed["full"], seconds=r["all_seconds"],
-                                          peak_kv_tokens=r["peak_kv_tokens"], peak_kv_bytes=r["peak_kv_bytes"],
-                                          kv_formula_bytes=formula, evict_share=r.get("evict_share"),
-                                          others_load=r["all_others"],
-                                          same_tokens_as_hf=None if name == HF else bool(torch.equal(r["tokens"], hf_tokens)))
+                       "yes" if formula == r["peak_kv_bytes"] else "NO", f"{r['peak_kv_bytes'] / dense['peak_kv_bytes']:.3f}"])
+        record["throughput"][name] = dict(
+            tokens_per_s=speed[name], vs_hf=speed[name] / speed[HF], vs_dense=speed[name] / speed["full"],
+            seconds=r["all_seconds"], peak_kv_tokens=r["peak_kv_tokens"], peak_kv_bytes=r["peak_kv_bytes"],
+            kv_formula_bytes=formula, evict_share=r.get("evict_share"), others_load=r["all_others"], same_tokens_as_hf=same)
+    record["long"] = {}
     for name, r in long.items():
+        kv = r["peak_kv_bytes"] / long["full"]["peak_kv_bytes"]
         rows.append([f"ours {name}, {s['long_new']} new", f"{long_speed[name]:.1f}", "-",
-                     f"{long_speed[name] / long_speed['full']:.2f}x", f"{r['peak_kv_bytes'] / long['full']['peak_kv_bytes']:.3f}",
-                     f"{100 * r['evict_share']:.1f} %" if name != "full" else "-", "-"])
-    record["long"] = {name: dict(tokens_per_s=long_speed[name], vs_dense=long_speed[name] / long_speed["full"],
-                                 seconds=r["all_seconds"], peak_kv_bytes=r["peak_kv_bytes"], others_load=r["all_others"])
-                      for name, r in long.items()}
+                     f"{long_speed[name] / long_speed['full']:.2f}x", f"{kv:.3f}", pct(r["evict_share"]) if name != "full" else "-", "-"])
+        record["long"][name] = dict(tokens_per_s=long_speed[name], vs_dense=long_speed[name] / long_speed["full"],
+                                    seconds=r["all_seconds"], peak_kv_bytes=r["peak_kv_bytes"], others_load=r["all_others"])
     # Runs during which other processes kept a tenth of a core or more busy: their times are suspect.
-    disturbed = [f"{name} {i + 1} ({load:.1f})" for group in (results, long) for name, r in group.items()
-                 for i, load in enumerate(r["all_others"]) if load is not None and load >= 0.1]
-    record["disturbed_runs"] = disturbed
-    record.update(scaling=scale, overheads=over, limit=lim, wall_seconds=wall)
-    tables = [f"Machine: {machine}. Model: {s.get('model', 'random Llama')}, {s['layers']} layers, {s['hidden']} wide, {s['heads']} heads / "
-              f"{s['kv_heads']} KV heads, vocabulary {s['vocab']}, fp32. Batch {B}, prompt {s['prompt']}, greedy; "
-              f"eviction budget {s['budget']}, interval {s['interval']}.",
+    record["disturbed_runs"] = disturbed = [f"{name} {i + 1} ({load:.1f})" for group in (results, long)
+                                            for name, r in group.items() for i, load in enumerate(r["all_others"])
+                                            if load is not None and load >= 0.1]
+    step = over["train_step_seconds"]
+    over_rows = [["rejection + weights + down-sampling", f"{1e3 * over['correction_seconds']:.3f} ms",
+                  f"one training step {step:.2f} s", f"{100 * over['correction_seconds'] / step:.4f} %"],
+                 ["dense re-scoring (pi_old) of the batch", f"{over['rescore_seconds']:.2f} s",
+                  f"the {LONG_POLICY} rollout, the dense rollout",
+                  f"{over['rescore_vs_rollout']:.2f}x, {over['rescore_vs_dense_rollout']:.2f}x"]]
+    over_rows += [[f"choosing, {name} ({choosing(name, s)})", "-", "decode time", pct(results[name]["evict_share"])]
+                  for name in SPARSE]
+    over_rows += [[f"choosing, {name} (evict, interval 1; {new // 4} new)", "-", "decode time", pct(share)]
+                  for name, share in over.get("interval_1", {}).items()]
+    lim_rows = [[f"matmul FLOP/s (torch.mm {s['mm']}^3, fp32)", f"{lim['mm_flops'] / 1e9:.1f} G",
+                 f"{lim['decode_flops'] / 1e9:.2f} G ({lim['flops_per_token'] / 1e6:.1f} MFLOP/token)",
+                 pct(lim["decode_flops"] / lim["mm_flops"])],
+                ["memory bytes/s (tensor copy)", f"{lim['copy_bytes_per_s'] / 1e9:.1f} G",
+                 f"{lim['decode_bytes_per_s'] / 1e9:.1f} G", pct(lim["decode_bytes_per_s"] / lim["copy_bytes_per_s"])]]
+    worst, chooser = min(EVICTION, key=speed.get), max(EVICTION, key=lambda n: results[n]["evict_share"])
+    kv_tokens = max(results[n]["peak_kv_tokens"] for n in EVICTION)
+    targets = [["dense >= 1.0x HF generate, same tokens", f"{speed['full'] / speed[HF]:.2f}x, tokens equal: "
+                f"{record['throughput']['full']['same_tokens_as_hf']}"],
+               [f"eviction >= 1.5x dense at {s['prompt']}+{new} (slowest: {worst})", f"{speed[worst] / speed['full']:.2f}x"],
+               [f"peak KV <= ({s['budget']}+{s['interval']})/{s['prompt'] + new} of dense",
+                f"{kv_tokens} of {dense['peak_kv_tokens']} tokens = {kv_tokens / dense['peak_kv_tokens']:.4f} (bound "
+                f"{(s['budget'] + s['interval']) / (s['prompt'] + new):.4f}; dense never feeds its last token)"],
+               [f"{LONG_POLICY} >= 2x dense at {s['prompt']}+{s['long_new']}", f"{long_speed[LONG_POLICY] / long_speed['full']:.2f}x"],
+               [f"choosing what to evict < 10 % of decode at interval {s['interval']} (most: {chooser})",
+                pct(results[chooser]["evict_share"])],
+               ["rejection + weights + down-sampling < 1 % of a step", f"{100 * over['correction_seconds'] / step:.4f} %"]]
+    record["targets"] = dict(targets)
+    tables = [f"Machine: {machine}. Model: {s.get('model', 'random Llama')}, {s['layers']} layers, {s['hidden']} wide, "
+              f"{s['heads']} heads / {s['kv_heads']} KV heads, vocabulary {s['vocab']}, fp32. Batch {B}, prompt "
+              f"{s['prompt']}, greedy; eviction budget {s['budget']}, interval {s['interval']}; block top-k: the same "
+              f"budget in pages of {SparseConfig.page_size}, first {SparseConfig.dense_layers} layers dense.",
               f"### 1. Throughput ({new} new tokens, median of {s['repeats']} rounds; long rows: {s['long_new']} new, "
               f"{s['long_repeats']} round)",
-              markdown(["sampler", "tokens/s", "vs HF", "vs dense", "peak KV vs dense", "choosing what to evict", "same tokens as HF"], rows),
+              markdown(["sampler", "tokens/s", "vs HF", "vs dense", "peak KV vs dense", "choosing", "same tokens as HF"], rows),
               "Runs disturbed by other processes (run number, cores they kept busy): " + (", ".join(disturbed) or "none")
               + (". Rerun on an idle machine before trusting the ratios." if disturbed else "."),
               "### 2. Memory: peak KV cache, checked against 2 * layers * kv_heads * head_dim * tokens * 4 bytes * batch",
               markdown(["cache", "peak tokens", "peak MiB", "formula MiB", "match", "vs dense"], memory),
               f"### 3. Scaling: decode ms per token, mean over the {s['interval']} steps up to each context",
               markdown(["context", "dense", LONG_POLICY, "dense / " + LONG_POLICY],
-                 [[r["context"], f"{r['full']:.3f}", f"{r[LONG_POLICY]:.3f}", f"{r['ratio']:.2f}x"] for r in scale])]
-    step = over["train_step_seconds"]
-    over_rows = [["rejection + weights + down-sampling", f"{1e3 * over['correction_seconds']:.3f} ms",
-                  f"one training step {step:.2f} s", f"{100 * over['correction_seconds'] / step:.4f} %"],
-                 ["dense re-scoring (pi_old) of the batch", f"{over['rescore_seconds']:.2f} s",
-                  f"the {LONG_POLICY} rollout, the dense rollout", f"{over['rescore_vs_rollout']:.2f}x, "
-                  f"{over['rescore_vs_dense_rollout']:.2f}x"]]
-    for name in SPARSE:
-        over_rows.append([f"choosing what to evict, {name}, interval {s['interval']}", "-", "decode time",
-                          f"{100 * results[name]['evict_share']:.1f} %"])
-    for name, share in over.get("interval_1", {}).items():
-        over_rows.append([f"choosing what to evict, {name}, interval 1 ({s['new'] // 4} new)", "-", "decode time",
-                          f"{100 * share:.1f} %"])
-    tables += ["### 4. Overheads", markdown(["what", "time", "against", "share"], over_rows),
-               "### 5. The limit (FLOPs: matrix products only; bytes: all weights + the whole KV cache per step)",
-               markdown(["measure", "machine", "our dense decode", "fraction"],
-                  [[f"matmul FLOP/s (torch.mm {s['mm']}^3, fp32)", f"{lim['mm_flops'] / 1e9:.1f} G",
-                    f"{lim['decode_flops'] / 1e9:.2f} G ({lim['flops_per_token'] / 1e6:.1f} MFLOP/token)",
-                    f"{100 * lim['decode_flops'] / lim['mm_flops']:.1f} %"],
-                   ["memory bytes/s (tensor copy)", f"{lim['copy_bytes_per_s'] / 1e9:.1f} G",
-                    f"{lim['decode_bytes_per_s'] / 1e9:.1f} G", f"{100 * lim['decode_bytes_per_s'] / lim['copy_bytes_per_s']:.1f} %"]])]
-    worst = min(EVICTION, key=lambda n: speed[n])
-    targets = [["dense >= 1.0x HF generate, same tokens", f"{speed['full'] / speed[HF]:.2f}x, tokens equal: "
-                f"{record['throughput']['full']['same_tokens_as_hf']}"],
-               [f"eviction >= 1.5x dense at {s['prompt']}+{new} (slowest: {worst})", f"{speed[worst] / speed['full']:.2f}x"],
-               [f"peak KV <= ({s['budget']}+{s['interval']})/{s['prompt'] + new} of dense",
-                f"{max(results[n]['peak_kv_tokens'] for n in EVICTION)} of {results['full']['peak_kv_tokens']} tokens = "
-                f"{max(results[n]['peak_kv_bytes'] for n in EVICTION) / dense_bytes:.4f} (bound "
-                f"{(s['budget'] + s['interval']) / (s['prompt'] + new):.4f}; dense never feeds its last token)"],
-               [f"{LONG_POLICY} >= 2x dense at {s['prompt']}+{s['long_new']}", f"{long_speed[LONG_POLICY] / long_speed['full']:.2f}x"],
-               [f"choosing < 10 % of decode at interval {s['interval']} (max)",
-                f"{100 * max(results[n]['evict_share'] for n in SPARSE):.1f} %"],
-               ["rejection + weights + down-sampling < 1 % of a step",
-                f"{100 * over['correction_seconds'] / over['train_step_seconds']:.4f} %"]]
-    tables += ["### Targets", markdown(["target", "measured"], targets), f"Total wall time: {wall:.0f} s."]
-    record["targets"] = dict(targets)
+                       [[r["context"], f"{r['full']:.3f}", f"{r[LONG_POLICY]:.3f}", f"{r['ratio']:.2f}x"] for r in scale]),
+              "### 4. Overheads", markdown(["what", "time", "against", "share"], over_rows),
+              "### 5. The limit (FLOPs: matrix products only; bytes: all weights + the whole KV cache per step)",
+              markdown(["measure", "machine", "our dense decode", "fraction"], lim_rows),
+              "### Targets", markdown(["target", "measured"], targets), f"Total wall time: {wall:.0f} s."]
     return "\n\n".join(tables), record
 
 

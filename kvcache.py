@@ -97,10 +97,12 @@ class Layer:
     queries       [B, H, W, D]     the last `window` queries (SnapKV, R-KV), query_pos [B, W]
     holes         bool             whether any kept slot is invalid (pos -1); if not, a decode
                                    step needs no attention mask at all
+    page_sum      [B, H_kv, n, D]  blocktopk only: running sum of each page's keys, page_count [B, n]
+                                   its tokens (nothing is evicted, so slot = left padding + position)
     Slots stay in position order, so pooling along slots is pooling along the sequence.
     """
 
-    def __init__(self, key, capacity, rng):
+    def __init__(self, key, capacity, rng, page_size=None):
         B, H, _, D = key.shape
         self.k_buf = key.new_zeros(B, H, capacity, D)
         self.v_buf = key.new_zeros(B, H, capacity, D)
@@ -109,6 +111,10 @@ class Layer:
         self.queries, self.query_pos = None, None
         self.size, self.scaling, self.rng = 0, None, rng  # scaling: set by the hook
         self.holes = False
+        self.page_size = page_size
+        if page_size:   # positions < capacity, so capacity // page_size + 1 pages always suffice
+            self.page_sum = torch.zeros(B, H, capacity // page_size + 1, D, dtype=torch.float32, device=key.device)
+            self.page_count = torch.zeros(B, capacity // page_size + 1, dtype=torch.long, device=key.device)
 
     keys = property(lambda self: self.k_buf[:, :, : self.size])
     values = property(lambda self: self.v_buf[:, :, : self.size])
@@ -122,12 +128,29 @@ class Layer:
             self.k_buf, self.v_buf, self.pos_buf, self.acc_buf = (
                 torch.cat([b, torch.full_like(b, -1 if b.dtype == torch.long else 0)], dim=2)
                 for b in (self.k_buf, self.v_buf, self.pos_buf, self.acc_buf))
+            if self.page_size:
+                self.page_sum = torch.cat([self.page_sum, torch.zeros_like(self.page_sum)], dim=2)
+                self.page_count = torch.cat([self.page_count, torch.zeros_like(self.page_count)], dim=1)
         end = self.size + q
         self.k_buf[:, :, self.size:end] = key
         self.v_buf[:, :, self.size:end] = value
         self.pos_buf[:, :, self.size:end] = pos[:, None, :]
         self.acc_buf[:, :, self.size:end] = 0.0
         self.size = end
+        if self.page_size:   # blocktopk: keep each page's key sum, so choosing pages never reads every key
+            valid, page = pos >= 0, pos.clamp(min=0) // self.page_size                # [B, q]
+            self.page_count.scatter_add_(1, page, valid.long())
+            self.page_sum.scatter_add_(2, page[:, None, :, None].expand_as(key), key.float() * valid[:, None, :, None])
+
+    def gather(self, index):
+        """The kept keys and values at slots `index` [B, H_kv, n] -> two [B, H_kv, n, D].
+
+        Rows of D values are copied whole (`index_select` on the flattened buffers): several times
+        faster on a CPU than `gather` with the index expanded over D, which reads one index per value.
+        """
+        B, H, capacity, D = self.k_buf.shape
+        rows = (torch.arange(B * H, device=index.device).view(B, H, 1) * capacity + index).flatten()
+        return tuple(buf.view(-1, D).index_select(0, rows).view(B, H, -1, D) for buf in (self.k_buf, self.v_buf))
 
     def remember(self, query, pos, window):
         """Keep the last `window` queries [B, H, q, D] and their positions [B, q]."""
@@ -140,9 +163,7 @@ class Layer:
     def keep(self, index, kept):
         """Move the slots `index` [B, H_kv, n] to the front; those not `kept` become invalid (-1)."""
         n = index.shape[-1]
-        by_dim = index[..., None].expand(-1, -1, -1, self.k_buf.shape[-1])
-        self.k_buf[:, :, :n] = self.keys.gather(2, by_dim)
-        self.v_buf[:, :, :n] = self.values.gather(2, by_dim)
+        self.k_buf[:, :, :n], self.v_buf[:, :, :n] = self.gather(index)
         self.pos_buf[:, :, :n] = self.pos.gather(2, index).masked_fill(~kept, -1)
         self.acc_buf[:, :, :n] = self.acc.gather(2, index)
         self.size = n
@@ -260,26 +281,33 @@ def compress(layer, sparse, due, budget=None):
 
 
 def top_pages(layer, query, sparse, budget):
-    """Sparrow block top-k: the kept positions [B, H_kv, S] one decode query [B, H, 1, D] attends to.
+    """Sparrow block top-k: the slots one decode query [B, H, 1, D] attends to -> (index, pos), [B, H_kv, S'].
 
     Pages are `page_size` positions of a row (position // page_size, so left padding does not
     shift them). Each KV head scores a page by its group-averaged query against the page's mean
-    key and keeps its `budget // page_size` best pages (budget: int or [B]), plus the first page
-    (the sinks) and the 2 newest (the local window). Skipped slots read -1, as if evicted.
+    key (from the running sums `Layer.append` keeps: one vector per page is read, not every key)
+    and keeps its `budget // page_size` best pages (budget: int or [B]), plus the first page
+    (the sinks) and the 2 newest (the local window). `index` lists the chosen pages' slots, so
+    attention gathers and reads only those; slots it lists past a row's tokens read position -1.
     """
-    pos, keys = layer.pos, layer.keys.float()
-    valid, page = pos >= 0, pos.clamp(min=0) // sparse.page_size      # [B, H_kv, S]
-    pages = torch.arange(int(page.max()) + 1, device=pos.device)       # [n]
-    counts = pos.new_zeros(pos.shape[:2] + pages.shape).scatter_add_(2, page, valid.long())
-    sums = keys.new_zeros(counts.shape + keys.shape[-1:]).scatter_add_(2, page[..., None].expand_as(keys),
-                                                                       keys * valid[..., None])
-    q = group(query[:, :, -1].float(), keys.shape[1], "mean")          # [B, H_kv, D]
-    score = (sums / counts.clamp(min=1)[..., None] @ q[..., None])[..., 0]   # mean key . query: [B, H_kv, n]
-    reserved = (pages == 0) | (pages >= pos.amax(-1, keepdim=True) // sparse.page_size - 1)
-    order = score.masked_fill(reserved | (counts == 0), float("-inf")).argsort(dim=-1, descending=True, stable=True)
-    top = torch.as_tensor(budget, device=pos.device).reshape(-1, 1, 1) // sparse.page_size
-    chosen = reserved | (order.argsort(dim=-1) < top) & (counts > 0)   # rank among the unreserved pages
-    return pos.masked_fill(~chosen.gather(2, page), -1)
+    size, n = layer.page_size, (layer.size - 1) // layer.page_size + 1   # no position reaches page n yet
+    count, sums = layer.page_count[:, :n], layer.page_sum[:, :, :n]     # [B, n], [B, H_kv, n, D]
+    q = group(query[:, :, -1:].float(), sums.shape[1], "mean")           # [B, H_kv, 1, D]
+    # (a row vector times the page sums: a batched matrix-vector product is several times slower on a CPU)
+    score = (q @ sums.transpose(-1, -2))[:, :, 0] / count.clamp(min=1)[:, None]   # mean key . query [B, H_kv, n]
+    pages, exists = torch.arange(count.shape[1], device=count.device), count > 0
+    newest = exists.sum(-1, keepdim=True) - 1                            # [B, 1]: pages fill from 0 up
+    reserved = exists & ((pages == 0) | (pages >= newest - 1))           # [B, n]
+    score = score.masked_fill(~exists[:, None], float("-inf")).masked_fill(reserved[:, None], float("inf"))
+    top = torch.as_tensor(budget, device=count.device).reshape(-1) // size + reserved.sum(-1)   # [B] pages kept
+    ranked = score.topk(min(int(top.max()), n), dim=-1).indices         # [B, H_kv, k], best first
+    chosen = (torch.arange(ranked.shape[-1], device=count.device) < top[:, None, None]) & exists.gather(
+        1, ranked.flatten(1)).view_as(ranked)
+    padding = layer.size - count.sum(-1)                                # [B] slots before position 0
+    slot = padding[:, None, None, None] + ranked[..., None] * size + torch.arange(size, device=count.device)
+    seen = (chosen[..., None] & (slot < layer.size)).flatten(2)          # [B, H_kv, k * page_size]
+    index = slot.flatten(2).clamp(max=layer.size - 1)
+    return index, layer.pos.gather(2, index).masked_fill(~seen, -1)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -376,7 +404,8 @@ class KVCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Called by the model: store new keys and values [B, H_kv, q, D]; return the kept ones."""
         if layer_idx == len(self.layers):
-            self.layers.append(Layer(key_states, self.capacity(key_states.shape[2]), self.rng))
+            self.layers.append(Layer(key_states, self.capacity(key_states.shape[2]), self.rng,
+                                     self.sparse.page_size if self.sparse.policy == "blocktopk" else None))
             self.bytes_per_slot += 2 * key_states[:, :, :1].numel() * key_states.element_size()
         layer = self.layers[layer_idx]
         layer.append(key_states, value_states, self.step_pos)
@@ -393,12 +422,13 @@ class KVCache(Cache):
             compress(layer, sparse, self.due, self.budget)
         # A decode step over real earlier tokens only sees every slot: no mask to build or apply.
         masked = query.shape[2] > 1 or layer.holes or sliding_window is not None
-        key_pos = layer.pos
+        keys, values, key_pos = layer.keys, layer.values, layer.pos
         if sparse.policy == "blocktopk" and self.decoding and layer_idx >= sparse.dense_layers:
-            key_pos, masked = top_pages(layer, query, sparse, self.budget), True
+            index, key_pos = top_pages(layer, query, sparse, self.budget)
+            (keys, values), masked = layer.gather(index), True
         if self.decoding:  # a tensor, not a float: no host sync per layer
             self.attended[-1] += (key_pos >= 0).sum(-1).float().mean() / self.num_layers
-        out, weights = attention(query, layer.keys, layer.values, key_pos, self.step_pos, scaling,
+        out, weights = attention(query, keys, values, key_pos, self.step_pos, scaling,
                                  sliding_window, need_weights=sparse.policy == "h2o", masked=masked)
         if weights is not None:  # H2O: every query's attention adds to what each key has received
             weights = weights.unflatten(2, (-1, query.shape[2])) * (self.step_pos >= 0)[:, None, None, :, None]

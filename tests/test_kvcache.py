@@ -113,6 +113,28 @@ def test_blocktopk_equals_masking_and_keeps_the_reserved_pages():
     assert cache.attended_tokens[-1] == ((49 + 32) / 2 + (17 + 20) / 2) / 2
 
 
+def test_blocktopk_pages_match_a_brute_force_choice():
+    # every decode step, re-chosen with loops from the raw keys: page = position // 4, score = the
+    # group-mean query . the page's mean key; first page + 2 newest + the 2 best others
+    sparse = SparseConfig("blocktopk", budget=8, page_size=4, dense_layers=0)
+    q, k, v, pos, P = random_steps(prompt_lens=(9, 5), new_tokens=24)
+    cache, _ = run_cache(sparse, q, k, v, pos, P)
+    for step, got in enumerate(kept_positions(cache)[1:]):
+        col = P + step                                                 # the query's column
+        for b in range(B):
+            seen = [int(pos[b, c]) for c in range(col + 1) if pos[b, c] >= 0]   # positions so far
+            column = {p: c for c in range(col + 1) for p in [int(pos[b, c])]}
+            pages = sorted({p // 4 for p in seen})
+            newest = pages[-1]
+            for h in range(H_KV):
+                query = q[b, 2 * h:2 * h + 2, col].mean(0)
+                mean = {g: torch.stack([k[b, h, column[p]] for p in seen if p // 4 == g]).mean(0) for g in pages}
+                others = [p for p in pages if p != 0 and p < newest - 1]
+                best = sorted(others, key=lambda p: -float(mean[p] @ query))[:2]
+                expect = {0, newest - 1, newest, *best} & set(pages)
+                assert got[b][h] == [p for p in seen if p // 4 in expect]
+
+
 def test_keep_indices_by_hand():
     # one row, one head, 6 slots; the first slot is padding, window 1 keeps the newest (pos 4)
     pos = torch.tensor([[[-1, 0, 1, 2, 3, 4]]])
