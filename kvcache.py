@@ -24,9 +24,10 @@ What is notable here:
 
 `sampler.generate` does exactly this in a loop.
 
-Block top-k (`blocktopk`, Sparrow, METHOD.md section 3) evicts nothing: each decode step attends
-to each head's best pages only (compute, not memory). `SparseConfig.schedule` (schedule.py) sets
-the budget from the context length at every compression (every step for pages).
+Block top-k (`blocktopk`, Sparrow, METHOD.md section 3) evicts nothing: each decode step gathers
+each head's best pages, ranked by running page means of the keys, and attends to those only
+(compute, not memory). `SparseConfig.schedule` (schedule.py) sets the budget from the context
+length at every compression (every step for pages).
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
