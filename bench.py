@@ -44,7 +44,7 @@ from sampler import generate
 FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, batch=8, prompt=256, new=2048,
             long_new=4096, budget=256, interval=128, repeats=3, long_repeats=1, contexts=(512, 1024, 2048, 4096),
             mm=2048, keep=4)
-QUICK = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, batch=4, prompt=16, new=48,
+QUICK = dict(layers=3, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, batch=4, prompt=16, new=48,
              long_new=120, budget=16, interval=8, repeats=2, long_repeats=1, contexts=(32, 64, 136), mm=256, keep=2)
 # A pretrained --model: shorter runs than FULL (SmolLM2-135M decodes ~60 tokens/s at batch 8 on one CPU
 # thread), its own shape filled in by build_model, and a budget that evicts within prompt + 256 new.

@@ -288,8 +288,9 @@ def top_pages(layer, query, sparse, budget):
     shift them). Each KV head scores a page by its group-averaged query against the page's mean
     key (from the running sums `Layer.append` keeps: one vector per page is read, not every key)
     and keeps its `budget // page_size` best pages (budget: int or [B]), plus the first page
-    (the sinks) and the 2 newest (the local window). `index` lists the chosen pages' slots, so
-    attention gathers and reads only those; slots it lists past a row's tokens read position -1.
+    (the sinks) and the 2 newest (the local window). `index` lists the slots of the k pages the
+    most generous row keeps, best page first, so attention gathers and reads only those; `pos` is
+    -1 where a slot is not attended (past a row's tokens, or a page beyond that row's budget).
     """
     size, n = layer.page_size, (layer.size - 1) // layer.page_size + 1   # no position reaches page n yet
     count, sums = layer.page_count[:, :n], layer.page_sum[:, :, :n]     # [B, n], [B, H_kv, n, D]
@@ -405,8 +406,9 @@ class KVCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Called by the model: store new keys and values [B, H_kv, q, D]; return the kept ones."""
         if layer_idx == len(self.layers):
+            paged = self.sparse.policy == "blocktopk" and layer_idx >= self.sparse.dense_layers
             self.layers.append(Layer(key_states, self.capacity(key_states.shape[2]), self.rng,
-                                     self.sparse.page_size if self.sparse.policy == "blocktopk" else None))
+                                     self.sparse.page_size if paged else None))
             self.bytes_per_slot += 2 * key_states[:, :, :1].numel() * key_states.element_size()
         layer = self.layers[layer_idx]
         layer.append(key_states, value_states, self.step_pos)
