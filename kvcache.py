@@ -281,7 +281,7 @@ def compress(layer, sparse, due, budget=None):
     layer.keep(*keep_indices(scores, layer.pos, budget, sparse.window, due))
 
 
-def top_pages(layer, query, sparse, budget):
+def top_pages(layer, query, budget):
     """Sparrow block top-k: the slots one decode query [B, H, 1, D] attends to -> (index, pos), [B, H_kv, S'].
 
     Pages are `page_size` positions of a row (position // page_size, so left padding does not
@@ -292,7 +292,8 @@ def top_pages(layer, query, sparse, budget):
     most generous row keeps, best page first, so attention gathers and reads only those; `pos` is
     -1 where a slot is not attended (past a row's tokens, or a page beyond that row's budget).
     """
-    size, n = layer.page_size, (layer.size - 1) // layer.page_size + 1   # no position reaches page n yet
+    page_size = layer.page_size
+    n = (layer.size - 1) // page_size + 1                               # no position reaches page n yet
     count, sums = layer.page_count[:, :n], layer.page_sum[:, :, :n]     # [B, n], [B, H_kv, n, D]
     q = group(query[:, :, -1:].float(), sums.shape[1], "mean")           # [B, H_kv, 1, D]
     # (a row vector times the page sums: a batched matrix-vector product is several times slower on a CPU)
@@ -301,12 +302,12 @@ def top_pages(layer, query, sparse, budget):
     newest = exists.sum(-1, keepdim=True) - 1                            # [B, 1]: pages fill from 0 up
     reserved = exists & ((pages == 0) | (pages >= newest - 1))           # [B, n]
     score = score.masked_fill(~exists[:, None], float("-inf")).masked_fill(reserved[:, None], float("inf"))
-    top = torch.as_tensor(budget, device=count.device).reshape(-1) // size + reserved.sum(-1)   # [B] pages kept
+    top = torch.as_tensor(budget, device=count.device).reshape(-1) // page_size + reserved.sum(-1)   # [B] pages kept
     ranked = score.topk(min(int(top.max()), n), dim=-1).indices         # [B, H_kv, k], best first
     chosen = (torch.arange(ranked.shape[-1], device=count.device) < top[:, None, None]) & exists.gather(
         1, ranked.flatten(1)).view_as(ranked)
     padding = layer.size - count.sum(-1)                                # [B] slots before position 0
-    slot = padding[:, None, None, None] + ranked[..., None] * size + torch.arange(size, device=count.device)
+    slot = padding[:, None, None, None] + ranked[..., None] * page_size + torch.arange(page_size, device=count.device)
     seen = (chosen[..., None] & (slot < layer.size)).flatten(2)          # [B, H_kv, k * page_size]
     index = slot.flatten(2).clamp(max=layer.size - 1)
     return index, layer.pos.gather(2, index).masked_fill(~seen, -1)
@@ -427,7 +428,7 @@ class KVCache(Cache):
         masked = query.shape[2] > 1 or layer.holes or sliding_window is not None
         keys, values, key_pos = layer.keys, layer.values, layer.pos
         if sparse.policy == "blocktopk" and self.decoding and layer_idx >= sparse.dense_layers:
-            index, key_pos = top_pages(layer, query, sparse, self.budget)
+            index, key_pos = top_pages(layer, query, self.budget)
             (keys, values), masked = layer.gather(index), True
         if self.decoding:  # a tensor, not a float: no host sync per layer
             self.attended[-1] += (key_pos >= 0).sum(-1).float().mean() / self.num_layers
