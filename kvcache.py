@@ -1,4 +1,4 @@
-"""The evictable KV cache, its scoring policies and the attention hook (METHOD.md section 2).
+"""The evictable KV cache, its scoring policies and the attention hook (docs/method.md section 2).
 
 A sparse rollout keeps at most `budget` tokens per layer and KV head. The cache grows to
 `budget + interval` tokens and is then compressed back to `budget`: a scoring policy gives
@@ -6,16 +6,20 @@ every cached token a score, and each row of the batch and each KV head keeps its
 `budget` tokens. Everything else in the repo sees only `KVCache` and `SparseConfig`.
 
 What is notable here:
-- One signature for every policy: `score(layer, sparse) -> [B, H_kv, S]`, larger = keep.
-  StreamingLLM, H2O, SnapKV, R-KV and random are five small functions; `keep_indices` turns
-  scores into kept slots (padding evicted first, the recent `window` always kept).
+- One signature for every policy: `score(rows, sparse) -> [b, H_kv, S]`, larger = keep, over the
+  b rows that compress at this step only. StreamingLLM, H2O, SnapKV, R-KV and random are five small
+  functions; `keep_indices` turns scores into kept slots (padding goes first, the recent `window`
+  always stays).
+- SnapKV and R-KV score as their authors' code does (one prompt, no padding): window attention
+  to the keys before the window, pooled along those keys only. A padded or evicted slot is no
+  token's neighbour, so a row's rollout never depends on the other prompts of its batch (tested).
 - Cached keys keep the rotary position they were computed at; the attention mask is built
   from the absolute positions of the kept slots, so one rule (`key_pos <= query_pos`) serves
   prefill, decode and left padding alike.
+- Bookkeeping lives on the host: how many tokens each row holds, which rows compress, their
+  budgets. A decode step reads nothing back from the GPU.
 - The hook is a plain attention function registered with transformers' public
   `AttentionInterface`; any Llama, Mistral, Qwen2 or Qwen3 model runs through it unchanged.
-  It uses SDPA, and computes explicit attention weights only where a policy needs them
-  (every step for H2O; the window queries at compression steps for SnapKV and R-KV).
 
     cache = KVCache(SparseConfig("snapkv", budget=64), num_layers, max_new_tokens=128)
     with sparse_attention(model):
@@ -24,22 +28,27 @@ What is notable here:
 
 `sampler.generate` does exactly this in a loop.
 
-Block top-k (`blocktopk`, Sparrow, METHOD.md section 3) evicts nothing: each decode step gathers
-each head's best pages, ranked by running page means of the keys, and attends to those only
-(compute, not memory). `SparseConfig.schedule` (schedule.py) sets the budget from the context
-length at every compression (every step for pages).
+Block top-k (`blocktopk`, Sparrow, section 3) evicts nothing: each decode step gathers each
+head's best pages, ranked by running page means of the keys, and attends to those only (compute,
+not memory). `SparseConfig.schedule` (schedule.py) sets the budget from the context length.
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 POLICIES = ("full", "streaming", "h2o", "snapkv", "rkv", "random", "blocktopk")
 DENSE = 2 ** 40  # a budget that never evicts: what a schedule means by "dense"
 SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+# cuDNN's SDPA builds a new execution plan for every new key length, and a dense cache grows by one
+# key per step: in bf16 on an H100 that cost ~8 ms of CPU per call (our decode at 0.13x Hugging Face).
+# The other backends take any length, so they are the only ones our hook lets SDPA choose.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+CHUNK = 256  # queries (H2O) or keys (R-KV) per [.., CHUNK, S] block: never a whole [B, H, S, S] at once
 
 
 @dataclass
@@ -53,7 +62,6 @@ class SparseConfig:
     sink: int = 4         # first tokens always kept by StreamingLLM ("attention sinks")
     lam: float = 0.1      # R-KV: score = lam * importance - (1 - lam) * redundancy (0.07 in the R-KV repo)
     kernel: int = 7       # pooling kernel of the SnapKV / R-KV importance along the sequence
-    gqa: str = "mean"     # how the query heads of one KV group are aggregated: "mean" or "max"
     page_size: int = 16   # blocktopk: tokens per page; a step attends to budget // page_size top pages
     dense_layers: int = 2  # blocktopk: the first layers attend to every token (Sparrow keeps 2 dense)
     schedule: object = None  # a schedule.Schedule (or Controller): budget = schedule(context length)
@@ -77,8 +85,6 @@ class SparseConfig:
             raise ValueError(f"kernel must be odd so pooling keeps the sequence length, got {self.kernel}")
         if not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"lam must lie in [0, 1], got {self.lam}")
-        if self.gqa not in ("mean", "max"):
-            raise ValueError(f"gqa must be 'mean' or 'max', got {self.gqa!r}")
 
     @property
     def min_budget(self):
@@ -93,25 +99,24 @@ class Layer:
     """The kept tokens of one layer: slots [0, size) of preallocated buffers.
 
     keys, values  [B, H_kv, S, D]  kept keys (with their original rotary positions) and values
-    pos           [B, H_kv, S]     absolute position of each kept slot; -1 marks left padding
+    pos           [B, H_kv, S]     absolute position of each kept slot; -1 marks padding or a hole
     acc           [B, H_kv, S]     attention each slot has received so far (H2O)
     queries       [B, H, W, D]     the last `window` queries (SnapKV, R-KV), query_pos [B, W]
     holes         bool             whether any kept slot is invalid (pos -1); if not, a decode
                                    step needs no attention mask at all
     page_sum      [B, H_kv, n, D]  blocktopk only: running sum of each page's keys, page_count [B, n]
                                    its tokens (nothing is evicted, so slot = left padding + position)
-    Slots stay in position order, so pooling along slots is pooling along the sequence.
+    Valid slots stay in position order (holes may sit between them).
     """
 
-    def __init__(self, key, capacity, rng, page_size=None):
+    def __init__(self, key, capacity, page_size=None):
         B, H, _, D = key.shape
         self.k_buf = key.new_zeros(B, H, capacity, D)
         self.v_buf = key.new_zeros(B, H, capacity, D)
         self.pos_buf = torch.full((B, H, capacity), -1, dtype=torch.long, device=key.device)
         self.acc_buf = torch.zeros(B, H, capacity, dtype=torch.float32, device=key.device)
-        self.queries, self.query_pos = None, None
-        self.size, self.scaling, self.rng = 0, None, rng  # scaling: set by the hook
-        self.holes = False
+        self.queries, self.query_pos, self.ring = None, None, 0
+        self.size, self.scaling, self.holes = 0, None, False   # scaling: set by the hook
         self.page_size = page_size
         if page_size:   # positions < capacity, so capacity // page_size + 1 pages always suffice
             self.page_sum = torch.zeros(B, H, capacity // page_size + 1, D, dtype=torch.float32, device=key.device)
@@ -154,156 +159,200 @@ class Layer:
         return tuple(buf.view(-1, D).index_select(0, rows).view(B, H, -1, D) for buf in (self.k_buf, self.v_buf))
 
     def remember(self, query, pos, window):
-        """Keep the last `window` queries [B, H, q, D] and their positions [B, q]."""
-        if self.queries is None:
-            self.queries, self.query_pos = query[:, :, -window:], pos[:, -window:]
+        """Keep the last `window` queries [B, H, q, D] and positions [B, q] in a ring of `window` slots,
+        written in place (a score sums over them, so their order does not matter). q > 1 only at the
+        prefill, whose last queries are copied: a view would keep its whole [B, H, P, D] alive."""
+        if query.shape[2] > 1 or self.queries is None:
+            n = min(query.shape[2], window)
+            self.queries = query.new_zeros(*query.shape[:2], window, query.shape[3])
+            self.query_pos = pos.new_full((pos.shape[0], window), -1)
+            self.queries[:, :, :n], self.query_pos[:, :n] = query[:, :, -n:], pos[:, -n:]
+            self.ring = n % window
         else:
-            self.queries = torch.cat([self.queries, query], dim=2)[:, :, -window:]
-            self.query_pos = torch.cat([self.query_pos, pos], dim=1)[:, -window:]
+            self.queries[:, :, self.ring], self.query_pos[:, self.ring] = query[:, :, 0], pos[:, 0]
+            self.ring = (self.ring + 1) % window
 
     def keep(self, index, kept):
-        """Move the slots `index` [B, H_kv, n] to the front; those not `kept` become invalid (-1)."""
+        """Move the slots `index` [B, H_kv, n] to the front; those not `kept` become holes (-1)."""
         n = index.shape[-1]
         self.k_buf[:, :, :n], self.v_buf[:, :, :n] = self.gather(index)
         self.pos_buf[:, :, :n] = self.pos.gather(2, index).masked_fill(~kept, -1)
         self.acc_buf[:, :, :n] = self.acc.gather(2, index)
         self.size = n
-        self.holes = bool((self.pos < 0).any())   # one check per compression, not per step
 
 
 # ----------------------------------------------------------------------------- scoring policies
-# Each returns [B, H_kv, S]; larger means keep. `keep_indices` later evicts padding first and
-# always keeps the recent `window`, so a policy only ranks the rest.
 
-def group(x, num_kv_heads, how):
-    """Aggregate query heads [B, H, ...] into their KV groups [B, H_kv, ...] (GQA)."""
-    x = x.unflatten(1, (num_kv_heads, -1))
-    return x.mean(2) if how == "mean" else x.amax(2)
+@dataclass
+class Rows:
+    """What a scoring policy reads: the b rows of one layer that compress at this step."""
 
-
-def pool(x, kernel, how):
-    """Pool scores [B, H, S] along the sequence with a same-length window of `kernel` slots."""
-    flat = x.flatten(0, 1)[:, None]
-    if how == "max":
-        flat = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
-    else:
-        flat = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
-    return flat.view_as(x)
+    keys: torch.Tensor       # [b, H_kv, S, D]
+    pos: torch.Tensor        # [b, H_kv, S] positions, -1 = padding or a hole
+    acc: torch.Tensor        # [b, H_kv, S] attention received so far (H2O)
+    queries: torch.Tensor    # [b, H, W, D] the last `window` queries (SnapKV, R-KV; else None)
+    query_pos: torch.Tensor  # [b, W]; every one is a real token when a row compresses
+    scaling: float
+    salt: torch.Tensor       # [b] long: (seed, layer, context) of each row, for `random`
 
 
-def window_attention(layer, sparse):
-    """Attention of the last `window` queries to every kept key, summed over the window: [B, H_kv, S].
+def window_logits(rows):
+    """Scaled logits of the window queries against every kept key, per KV group: [b, H_kv, G, W, S] in fp32
+    (the operands are upcast before the product, so nothing is rounded to bf16 first)."""
+    q = rows.queries.float().unflatten(1, (rows.keys.shape[1], -1))                  # [b, H_kv, G, W, D]
+    return q @ rows.keys.float()[:, :, None].transpose(-1, -2) * rows.scaling
 
-    The window queries are causal (each sees keys up to its own position); padding queries
-    and not-yet-filled window slots (position -1) contribute nothing.
+
+def before_window(rows, window):
+    """[b, H_kv, S]: the valid slots before the observation window (the last `window` positions,
+    always kept). SnapKV and R-KV choose among these only."""
+    newest = rows.pos.amax(-1, keepdim=True)
+    return (rows.pos >= 0) & (rows.pos <= newest - window)
+
+
+def pool(x, mask, kernel, how):
+    """Pool scores x [b, H, S] along the slots where `mask` holds, as if no other slot existed.
+
+    The authors' code pools a batch-1 sequence of the keys before the window; here padding, holes
+    left by eviction and the window sit among the slots, so the masked slots are packed to the
+    front (stable: sequence order kept), pooled, and put back. The ends are padded as F.avg_pool1d
+    (zeros, counted in the mean) and F.max_pool1d (-inf) pad them, as in the authors' code.
     """
-    B, H, W, D = layer.queries.shape
-    H_kv = layer.keys.shape[1]
-    q = layer.queries.float().unflatten(1, (H_kv, -1))                  # [B, H_kv, G, W, D]
-    logits = q @ layer.keys.float()[:, :, None].transpose(-1, -2) * layer.scaling  # [B, H_kv, G, W, S]
-    key_pos, query_pos = layer.pos[:, :, None, None, :], layer.query_pos[:, None, None, :, None]
-    allowed = (key_pos >= 0) & (key_pos <= query_pos)
-    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
-    probs = probs.nan_to_num(0.0)                                       # rows of padding queries
-    return group(probs.sum(3).flatten(1, 2), H_kv, sparse.gqa)
+    order = mask.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)       # [b, H, S]
+    fill = 0.0 if how == "avg" else float("-inf")
+    packed = x.gather(-1, order).masked_fill(~mask.gather(-1, order), fill).flatten(0, 1)[:, None]
+    pool1d = F.avg_pool1d if how == "avg" else F.max_pool1d
+    pooled = pool1d(packed, kernel, stride=1, padding=kernel // 2).view_as(x)
+    return torch.empty_like(x).scatter_(-1, order, pooled)
 
 
-def redundancy(layer, sparse, threshold=0.5):
-    """R-KV redundancy of each key within its head: [B, H_kv, S], a softmax over the slots.
+def redundancy(keys, valid, threshold=0.5):
+    """R-KV's redundancy of each valid key of a head (`cal_similarity` in its code): [b, H_kv, S].
 
-    Cosine similarity between the keys of one head, diagonal zeroed; pairs above `threshold`
-    count as duplicates, and a key's redundancy is its mean similarity to its duplicates
-    over the valid slots, softmaxed along the sequence.
+    Cosine similarities between the valid keys, diagonal zeroed; in each row the latest key more
+    similar than `threshold` (or, if none, the first key) is zeroed as well, the one duplicate that
+    row keeps. A key's redundancy is the mean of its column over all valid rows, softmaxed over the
+    valid keys. CHUNK rows at a time, never a whole [b, H_kv, S, S].
     """
-    k = F.normalize(layer.keys.float(), dim=-1)
-    sim = k @ k.transpose(-1, -2)                                       # [B, H_kv, S, S]
-    valid = layer.pos >= 0
-    eye = torch.eye(sim.shape[-1], dtype=torch.bool, device=sim.device)
-    duplicate = (sim > threshold) & valid[..., None, :] & valid[..., :, None] & ~eye
-    mean_sim = (sim * duplicate).sum(-1) / valid.sum(-1, keepdim=True).clamp(min=1)
-    return mean_sim.masked_fill(~valid, float("-inf")).softmax(-1).nan_to_num(0.0)
+    k = keys.float() / (keys.float().norm(dim=-1, keepdim=True) + 1e-8)
+    slot = torch.arange(k.shape[2], device=k.device)
+    first = valid.int().argmax(-1, keepdim=True)                        # [b, H_kv, 1] the first valid slot
+    column_sum = 0.0
+    for start in range(0, k.shape[2], CHUNK):
+        sim = k[:, :, start:start + CHUNK] @ k.transpose(-1, -2)                       # [b, H_kv, c, S]
+        own = slot[start:start + sim.shape[2], None] == slot
+        sim = sim.masked_fill(own | ~valid[:, :, None] | ~valid[:, :, start:start + CHUNK, None], 0.0)
+        duplicate = sim > threshold
+        last = torch.where(duplicate.any(-1), (duplicate * slot).amax(-1), first)        # [b, H_kv, c]
+        column_sum = column_sum + sim.scatter(-1, last[..., None], 0.0).sum(2)
+    mean = column_sum / valid.sum(-1, keepdim=True)
+    return mean.masked_fill(~valid, float("-inf")).softmax(-1)
 
 
-def streaming(layer, sparse):
+def streaming(rows, sparse):
     """StreamingLLM (Xiao et al. 2023): the first `sink` tokens, then the most recent ones."""
-    return torch.where(layer.pos < sparse.sink, float("inf"), layer.pos.float())
+    return torch.where(rows.pos < sparse.sink, float("inf"), rows.pos.float())
 
 
-def h2o(layer, sparse):
+def h2o(rows, sparse):
     """H2O (Zhang et al. 2023): the heavy hitters, i.e. the attention each token received so far."""
-    return layer.acc
+    return rows.acc
 
 
-def snapkv(layer, sparse):
-    """SnapKV (Li et al. 2024): window attention, average-pooled so neighbours of a hit survive too."""
-    return pool(window_attention(layer, sparse), sparse.kernel, "avg")
+def snapkv(rows, sparse):
+    """SnapKV (Li et al. 2024), as its code scores: each window query's softmax over the keys it may see
+    (causal within the window), summed over the window, average-pooled along the keys before the window.
+    Its code keeps a cache per query head; one per KV head takes the mean over the group (as kvpress)."""
+    kp, qp = rows.pos[:, :, None, None, :], rows.query_pos[:, None, None, :, None]
+    probs = window_logits(rows).masked_fill((kp < 0) | (kp > qp), float("-inf")).softmax(-1)
+    return pool(probs.sum(3).mean(2), before_window(rows, sparse.window), sparse.kernel, "avg")
 
 
-def rkv(layer, sparse):
-    """R-KV (Cai et al. 2025): lam * importance - (1 - lam) * redundancy; importance max-pooled."""
-    importance = pool(window_attention(layer, sparse), sparse.kernel, "max")
-    return sparse.lam * importance - (1 - sparse.lam) * redundancy(layer, sparse)
+def rkv(rows, sparse):
+    """R-KV (Cai et al. 2025), as its code scores: lam * importance - (1 - lam) * redundancy. Importance:
+    the max over a group's logits, then each window query's softmax over the keys before the window,
+    MEAN over the window (mass 1, the redundancy's scale), max-pooled along those keys."""
+    before = before_window(rows, sparse.window)
+    logits = window_logits(rows).amax(2).masked_fill(~before[:, :, None], float("-inf"))   # [b, H_kv, W, S]
+    importance = pool(logits.softmax(-1).mean(2), before, sparse.kernel, "max")
+    return sparse.lam * importance - (1 - sparse.lam) * redundancy(rows.keys, rows.pos >= 0)
 
 
-def random(layer, sparse):
-    """A baseline: every token equally likely to stay (seeded, so rollouts are reproducible)."""
-    return torch.rand(layer.pos.shape, generator=layer.rng, device=layer.pos.device)
+def hash32(x):
+    """A 32-bit integer hash of each element of a long tensor (the multiply-xorshift "lowbias32")."""
+    x = x & 0xFFFFFFFF
+    for _ in range(2):
+        x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+def random(rows, sparse):
+    """A baseline: every token equally likely to stay. Uniform numbers hashed from (seed, layer, context,
+    KV head, position) rather than drawn from a shared generator, so a row's choice does not depend on
+    its batch-mates, and is the same on every device."""
+    head = torch.arange(rows.pos.shape[1], device=rows.pos.device)[None, :, None]
+    return hash32(hash32(hash32(rows.salt)[:, None, None] + head) + rows.pos).float() / 2 ** 32
 
 
 SCORERS = {"streaming": streaming, "h2o": h2o, "snapkv": snapkv, "rkv": rkv, "random": random}
 
 
-def keep_indices(scores, pos, budget, window, due):
-    """Which slots survive a compression: scores [B, H_kv, S] -> (index, kept), both [B, H_kv, S'].
+def keep_indices(scores, count):
+    """Which slots survive a compression: scores [B, H_kv, S] (+inf: must stay, -inf: must go),
+    count [B] (host): the tokens each row keeps. -> (index, kept), both [B, H_kv, S'].
 
-    A row that is `due` [B] keeps its `budget` best tokens: padding (pos -1) goes first and
-    the `window` most recent positions always stay. Other rows keep all their tokens. The
-    buffers stay rectangular, so S' is the most any row keeps; a due row fills the rest of
-    its S' slots with evicted tokens that `kept` marks False. `index` is in slot order.
+    The buffers stay rectangular, so S' is the most any row keeps; a row that keeps fewer fills
+    the rest of its S' slots with evicted tokens that `kept` marks False. `index` is in slot order.
     """
-    valid = pos >= 0
-    newest = pos.amax(dim=-1, keepdim=True)
-    scores = scores.float().masked_fill(pos > newest - window, float("inf"))
-    scores = torch.where(due[:, None, None], scores, float("inf")).masked_fill(~valid, float("-inf"))
-    count = torch.where(due, budget, valid[:, 0].sum(-1))              # [B] tokens each row keeps
+    n = int(count.max())
     # a stable sort, so ties (common after max-pooling) go to the earlier slot, reproducibly
-    ranked = scores.sort(dim=-1, descending=True, stable=True).indices[..., : int(count.max())]
-    kept = torch.arange(ranked.shape[-1], device=pos.device) < count[:, None, None]
+    ranked = scores.sort(dim=-1, descending=True, stable=True).indices[..., :n]
+    kept = (torch.arange(n) < count[:, None]).to(scores.device)[:, None].expand_as(ranked)
     index, order = ranked.sort(dim=-1)
-    return index, kept.expand_as(ranked).gather(-1, order)
+    return index, kept.gather(-1, order)
 
 
-def compress(layer, sparse, due, budget=None):
-    """Score the layer's slots with the policy and keep, in every `due` [B] row, its best `budget`
-    (an int or one per row [B]; default `sparse.budget`)."""
-    scores = SCORERS[sparse.policy](layer, sparse)
-    budget = sparse.budget if budget is None else budget
-    layer.keep(*keep_indices(scores, layer.pos, budget, sparse.window, due))
+def compress(layer, sparse, due, count, salt):
+    """Score the slots of the rows that are `due` [B] (host bool) with the policy, and keep `count` [B]
+    (host) tokens in every row: the due rows their best, padding first out and the `window` always in;
+    the others all their tokens. Only the due rows are scored: rows fall due on different steps."""
+    valid = layer.pos >= 0
+    scores = torch.where(valid, float("inf"), float("-inf"))
+    index = due.nonzero()[:, 0]
+    at = index.to(valid.device)
+    remembered = layer.queries is not None
+    rows = Rows(layer.keys[at], layer.pos[at], layer.acc[at], layer.queries[at] if remembered else None,
+                layer.query_pos[at] if remembered else None, layer.scaling, salt[index].to(valid.device))
+    recent = rows.pos > rows.pos.amax(-1, keepdim=True) - sparse.window
+    scores[at] = SCORERS[sparse.policy](rows, sparse).float().masked_fill(recent, float("inf")).masked_fill(
+        rows.pos < 0, float("-inf"))
+    index, kept = keep_indices(scores, count)
+    layer.keep(index, kept)
+    layer.holes = bool((count < index.shape[-1]).any())
 
 
-def top_pages(layer, query, budget):
+def top_pages(layer, query, top, k):
     """Sparrow block top-k: the slots one decode query [B, H, 1, D] attends to -> (index, pos), [B, H_kv, S'].
 
     Pages are `page_size` positions of a row (position // page_size, so left padding does not
     shift them). Each KV head scores a page by its group-averaged query against the page's mean
     key (from the running sums `Layer.append` keeps: one vector per page is read, not every key)
-    and keeps its `budget // page_size` best pages (budget: int or [B]), plus the first page
-    (the sinks) and the 2 newest (the local window). `index` lists the slots of the k pages the
-    most generous row keeps, best page first, so attention gathers and reads only those; `pos` is
-    -1 where a slot is not attended (past a row's tokens, or a page beyond that row's budget).
+    and keeps `top` [B] (device) pages per row: the budget's best plus the first page (the sinks)
+    and the 2 newest (the local window); k = max(top) (host). `index` lists the slots of the k
+    pages the most generous row keeps, best page first, so attention gathers and reads only
+    those; `pos` is -1 where a slot is not attended (past a row's tokens, or beyond its `top`).
     """
     page_size = layer.page_size
     n = (layer.size - 1) // page_size + 1                               # no position reaches page n yet
     count, sums = layer.page_count[:, :n], layer.page_sum[:, :, :n]     # [B, n], [B, H_kv, n, D]
-    q = group(query[:, :, -1:].float(), sums.shape[1], "mean")           # [B, H_kv, 1, D]
+    q = query.float().unflatten(1, (sums.shape[1], -1)).mean(2)           # [B, H_kv, 1, D]
     # (a row vector times the page sums: a batched matrix-vector product is several times slower on a CPU)
     score = (q @ sums.transpose(-1, -2))[:, :, 0] / count.clamp(min=1)[:, None]   # mean key . query [B, H_kv, n]
-    pages, exists = torch.arange(count.shape[1], device=count.device), count > 0
+    pages, exists = torch.arange(n, device=count.device), count > 0
     newest = exists.sum(-1, keepdim=True) - 1                            # [B, 1]: pages fill from 0 up
     reserved = exists & ((pages == 0) | (pages >= newest - 1))           # [B, n]
     score = score.masked_fill(~exists[:, None], float("-inf")).masked_fill(reserved[:, None], float("inf"))
-    top = torch.as_tensor(budget, device=count.device).reshape(-1) // page_size + reserved.sum(-1)   # [B] pages kept
-    ranked = score.topk(min(int(top.max()), n), dim=-1).indices         # [B, H_kv, k], best first
+    ranked = score.topk(min(k, n), dim=-1).indices                       # [B, H_kv, k], best first
     chosen = (torch.arange(ranked.shape[-1], device=count.device) < top[:, None, None]) & exists.gather(
         1, ranked.flatten(1)).view_as(ranked)
     padding = layer.size - count.sum(-1)                                # [B] slots before position 0
@@ -315,39 +364,53 @@ def top_pages(layer, query, budget):
 
 # ----------------------------------------------------------------------------- attention
 
-def attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=None, need_weights=False,
-              masked=True):
-    """Attend queries [B, H, q, D] over kept slots [B, H_kv, S, D]; -> ([B, H, q, D], weights or None).
+def visible(key_pos, query_pos, sliding_window=None):
+    """Which keys each query may see, from positions alone: key_pos [B, h, S], query_pos [B, q] -> [B, h, q, S].
 
-    Grouped-query attention without copies: the G = H / H_kv query heads that share a KV head
-    become G * q query rows of that head, so each kept key is read once per group (not once per
-    query head) and a mask made per KV head serves its whole group. `weights` are [B, H_kv, G * q, S].
-    The mask comes from positions alone: a query at position p sees the valid keys at
-    positions <= p (and > p - sliding_window for Mistral-style models). Padding queries
-    (position -1) see every slot so their (unused) output stays finite. `masked=False` says
-    the caller knows every slot is visible to every query (a decode step over real tokens).
+    A query at p sees the valid keys at positions <= p (and > p - sliding_window for Mistral-style
+    models). A padding query (position -1) sees every slot, so its unused output stays finite.
+    """
+    kp, qp = key_pos[:, :, None, :], query_pos[:, None, :, None]
+    allowed = (kp >= 0) & (kp <= qp)
+    if sliding_window is not None:
+        allowed &= kp > qp - sliding_window
+    return allowed | (qp < 0)
+
+
+def attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=None, masked=True, weights=False):
+    """Attend queries [B, H, q, D] over kept slots [B, H_kv, S, D]; -> (out [B, H, q, D], received or None).
+
+    A decode step (q = 1) treats the G = H / H_kv query heads of a KV head as G query rows of
+    that head: each kept key is read once per group, nothing is copied, and the mask, one row per
+    KV head [B, H_kv, 1, S], broadcasts over the G rows. The prefill (q > 1, nothing evicted yet,
+    so every KV head holds the same positions) repeats the keys per query head, as Hugging Face's
+    SDPA path does, under one [B, 1, q, S] mask. `masked=False`: the caller knows every slot is
+    visible (a decode step over real tokens). `weights=True` (H2O) computes the softmax explicitly,
+    CHUNK queries at a time, and also returns `received` [B, H, S]: the attention each slot got
+    from this step's real queries.
     """
     B, H, q, D = query.shape
     G = H // keys.shape[1]
-    rows = query.unflatten(1, (-1, G)).flatten(2, 3)                  # [B, H_kv, G * q, D]
-    allowed = None
-    if masked:
-        kp, qp = key_pos[:, :, None, :], query_pos[:, None, :, None]   # [B, H_kv, 1, S], [B, 1, q, 1]
-        allowed = (kp >= 0) & (kp <= qp)
-        if sliding_window is not None:
-            allowed &= kp > qp - sliding_window
-        allowed |= qp < 0                                             # [B, H_kv, q, S]
-        allowed = allowed[:, :, None].expand(-1, -1, G, -1, -1).flatten(2, 3)   # [B, H_kv, G * q, S]
-    if need_weights:
-        logits = (rows @ keys.transpose(-1, -2)).float() * scaling
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        weights = logits.softmax(-1)
-        out = weights.to(values.dtype) @ values
+    if q == 1:
+        rows, mask = query.reshape(B, -1, G, D), visible(key_pos, query_pos, sliding_window) if masked else None
     else:
-        weights = None
-        out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=allowed, scale=scaling)
-    return out.unflatten(2, (G, q)).flatten(1, 2), weights            # [B, H, q, D]
+        rows, keys, values = query, keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
+        mask = visible(key_pos[:, :1], query_pos, sliding_window)
+    if not weights:
+        return F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scaling).view(B, H, q, D), None
+    outs, received = [], 0.0
+    for start in range(0, rows.shape[2], CHUNK):
+        part = slice(start, start + CHUNK)
+        logits = rows[:, :, part].float() @ keys.float().transpose(-1, -2) * scaling    # upcast first
+        if mask is not None:
+            logits = logits.masked_fill(~(mask if q == 1 else mask[:, :, part]), float("-inf"))
+        w = logits.softmax(-1)
+        outs.append(w.to(values.dtype) @ values)
+        if q == 1:    # the G rows of a KV head are its G query heads (G <= CHUNK: one chunk)
+            received = w.reshape(B, H, -1)
+        else:         # padding queries (position -1) give nothing
+            received = received + (w * (query_pos[:, part] >= 0)[:, None, :, None]).sum(2)
+    return torch.cat(outs, 2).view(B, H, q, D), received
 
 
 class KVCache(Cache):
@@ -356,44 +419,51 @@ class KVCache(Cache):
     The caller announces each forward pass with `start_step(positions)`; the model then calls
     `update` (store the new keys and values) and our attention hook calls `attend` (compress
     if due, then attend) once per layer. Stats: `kv_tokens`, `peak_kv_tokens`, `kv_bytes`,
-    `peak_kv_bytes`, `dense_kv_tokens` (what a full cache would hold), `compressions`, and
-    `attended_tokens`: per decode step, the tokens attended per layer, row and KV head (mean).
-    With `record=True`, `history[layer][step]` holds the kept positions [B, H_kv, S] each
-    step attended over (tests rebuild the same attention from it with a dense masked pass).
+    `peak_kv_bytes`, `dense_kv_tokens` (what a full cache would hold), `compressions`.
+    With `record=True`, `history[layer][step]` holds the kept positions [B, H_kv, S] each step
+    attended over (tests rebuild the same attention from it with a dense masked pass), and
+    `attended_tokens`, per decode step, the tokens attended per layer, row and KV head (mean).
     """
 
     def __init__(self, sparse, num_layers, max_new_tokens, seed=0, record=False):
         super().__init__(layers=[])
-        self.sparse, self.num_layers, self.max_new_tokens = sparse, num_layers, max_new_tokens
-        self.rng = None if sparse.policy != "random" else torch.Generator().manual_seed(seed)
+        self.sparse, self.num_layers, self.max_new_tokens, self.seed = sparse, num_layers, max_new_tokens, seed
         self.history = [[] for _ in range(num_layers)] if record else None
-        self.step_pos, self.row_tokens, self.due, self.compressing, self.padded = None, 0, None, False, False
-        self.context, self.budget, self.attended = 0, sparse.budget, []
+        self.attended = [] if record else None
+        self.row_tokens = self.context = 0     # [B] host tensors from the prefill on
+        self.step_pos, self.padded, self.decoding, self.budget = None, False, False, sparse.budget
         self.compressions, self.peak_kv_tokens, self.dense_kv_tokens, self.bytes_per_slot = 0, 0, 0, 0
 
     def start_step(self, positions):
         """Announce the next forward pass: positions [B, q] of its tokens (-1 for padding).
 
-        Decides which rows compress at this step. Each row counts its own tokens, so a row's
-        rollout does not depend on how long the other prompts of its batch are.
+        Decides on the host which rows compress at this step. Each row counts its own tokens, so a
+        row's rollout does not depend on how long the other prompts of its batch are. A decode step
+        feeds one real token per row, so it reads nothing back from the device; the prefill reads
+        its rows' real-token counts once.
         """
-        sparse, decode = self.sparse, bool(self.layers) and positions.shape[1] == 1
-        self.step_pos, real = positions, (positions >= 0).sum(1)
+        sparse, q = self.sparse, positions.shape[1]
+        self.step_pos, self.decoding = positions, bool(self.layers) and q == 1
+        real = 1 if self.decoding else (positions >= 0).sum(1).cpu()
+        self.padded = not self.decoding and bool((real < q).any())
         self.row_tokens = self.row_tokens + real                       # [B] real tokens held per row
         self.context = self.context + real                             # [B] ... and seen (the dense count)
-        if sparse.schedule is not None:                                # METHOD.md section 6: grows with context
+        if sparse.schedule is not None:                                # section 6: grows with the context
             self.budget = sparse.schedule(self.context)
         # Prefill is kept whole; once over budget, a row compresses every `interval` decode steps.
         over = self.row_tokens - self.budget
-        self.due = (over > 0) & (over >= sparse.interval) & decode & (sparse.policy not in ("full", "blocktopk"))
+        evicts = self.decoding and sparse.policy not in ("full", "blocktopk")
+        self.due = (over > 0) & (over >= sparse.interval) & evicts
         self.row_tokens = torch.where(self.due, self.budget, self.row_tokens)
-        # Two host-side flags, decided once per step rather than once per layer.
-        self.compressing, self.padded = bool(self.due.any()), bool((positions < 0).any())
-        self.compressions += int(self.compressing)
-        self.dense_kv_tokens += positions.shape[1]
-        self.peak_kv_tokens = max(self.peak_kv_tokens, self.kv_tokens + positions.shape[1])
-        self.decoding = decode
-        if decode:
+        self.compressing = bool(self.due.any())
+        self.compressions += self.compressing
+        self.dense_kv_tokens += q
+        self.peak_kv_tokens = max(self.peak_kv_tokens, self.kv_tokens + q)
+        if sparse.policy == "blocktopk" and self.decoding:             # pages kept per row, decided here once
+            pages = (self.context - 1) // sparse.page_size + 1          # for every layer of this step
+            top = torch.as_tensor(self.budget) // sparse.page_size + pages.clamp(max=3)   # + first, 2 newest
+            self.top, self.top_k = top.to(positions.device), int(top.max())
+        if self.attended is not None and self.decoding:
             self.attended.append(0.0)
 
     def capacity(self, prompt_len):
@@ -408,7 +478,7 @@ class KVCache(Cache):
         """Called by the model: store new keys and values [B, H_kv, q, D]; return the kept ones."""
         if layer_idx == len(self.layers):
             paged = self.sparse.policy == "blocktopk" and layer_idx >= self.sparse.dense_layers
-            self.layers.append(Layer(key_states, self.capacity(key_states.shape[2]), self.rng,
+            self.layers.append(Layer(key_states, self.capacity(key_states.shape[2]),
                                      self.sparse.page_size if paged else None))
             self.bytes_per_slot += 2 * key_states[:, :, :1].numel() * key_states.element_size()
         layer = self.layers[layer_idx]
@@ -423,23 +493,22 @@ class KVCache(Cache):
         if sparse.policy in ("snapkv", "rkv"):
             layer.remember(query, self.step_pos, sparse.window)
         if self.compressing:
-            compress(layer, sparse, self.due, self.budget)
+            salt = self.seed * 1_000_003 + layer_idx * 65_537 + self.context   # [B] host: `random`'s hash input
+            compress(layer, sparse, self.due, self.row_tokens, salt)
         # A decode step over real earlier tokens only sees every slot: no mask to build or apply.
-        masked = query.shape[2] > 1 or layer.holes or sliding_window is not None
+        masked = not self.decoding or layer.holes or sliding_window is not None
         keys, values, key_pos = layer.keys, layer.values, layer.pos
         if sparse.policy == "blocktopk" and self.decoding and layer_idx >= sparse.dense_layers:
-            index, key_pos = top_pages(layer, query, self.budget)
+            index, key_pos = top_pages(layer, query, self.top, self.top_k)
             (keys, values), masked = layer.gather(index), True
-        if self.decoding:  # a tensor, not a float: no host sync per layer
-            self.attended[-1] += (key_pos >= 0).sum(-1).float().mean() / self.num_layers
-        out, weights = attention(query, keys, values, key_pos, self.step_pos, scaling,
-                                 sliding_window, need_weights=sparse.policy == "h2o", masked=masked)
-        if weights is not None:  # H2O: every query's attention adds to what each key has received
-            weights = weights.unflatten(2, (-1, query.shape[2])) * (self.step_pos >= 0)[:, None, None, :, None]
-            received = weights.sum(3).flatten(1, 2)                    # [B, H, S], summed over the queries
-            layer.acc_buf[:, :, : layer.size] += group(received, layer.keys.shape[1], sparse.gqa)
+        out, received = attention(query, keys, values, key_pos, self.step_pos, scaling, sliding_window,
+                                  masked=masked, weights=sparse.policy == "h2o")
+        if received is not None:  # H2O: what each key received, the mean over its group of query heads
+            layer.acc_buf[:, :, : layer.size] += received.unflatten(1, (keys.shape[1], -1)).mean(2)
         if self.history is not None:
             self.history[layer_idx].append(key_pos.clone())
+        if self.attended is not None and self.decoding:
+            self.attended[-1] += (key_pos >= 0).sum(-1).float().mean().item() / self.num_layers
         return out
 
     def get_seq_length(self, layer_idx=0):
@@ -450,7 +519,7 @@ class KVCache(Cache):
     kv_bytes = property(lambda self: self.kv_tokens * self.bytes_per_slot)
     peak_kv_bytes = property(lambda self: self.peak_kv_tokens * self.bytes_per_slot)
     dense_kv_bytes = property(lambda self: self.dense_kv_tokens * self.bytes_per_slot)
-    attended_tokens = property(lambda self: [float(a) for a in self.attended])
+    attended_tokens = property(lambda self: self.attended)
 
 
 # ----------------------------------------------------------------------------- the hook
@@ -481,11 +550,12 @@ def check_model(model):
 
 @contextmanager
 def sparse_attention(model):
-    """Route the model's attention through `sparse_attention_forward` for the duration of a block."""
+    """Route the model's attention through `sparse_attention_forward` (SDPA without cuDNN) for a block."""
     check_model(model)
     previous = model.config._attn_implementation
     model.set_attn_implementation("sparse_kv")
     try:
-        yield model
+        with sdpa_kernel(SDPA_BACKENDS):
+            yield model
     finally:
         model.set_attn_implementation(previous)

@@ -3,7 +3,8 @@
 - `tiny_model`: a small random Llama / Mistral / Qwen2 / Qwen3 with grouped-query attention.
 - `masked_dense_logprobs`: one dense forward pass over prompt + response whose per-layer,
   per-KV-head attention mask hides exactly what the sparse cache had evicted at each step.
-- `simulate_cache`: a slow, loop-based re-implementation of eviction from explicit Q, K, V.
+- `simulate_cache`: eviction for one prompt with Python loops, from explicit Q, K, V, written from
+  docs/method.md's description of the authors' batch-1 code (not from kvcache.py).
 """
 import math
 
@@ -101,6 +102,8 @@ def masked_dense_logprobs(model, rollouts, temperature=1.0):
 
 
 # ----------------------------------------------------------------------------- loop-based eviction
+# Written from docs/method.md section 2 ("How the authors' code scores"), one prompt at a time with no
+# padding, as the authors' batch-1 code runs: nothing here is shared with kvcache.py.
 
 def _softmax(xs):
     top = max(xs)
@@ -109,86 +112,87 @@ def _softmax(xs):
 
 
 def _pool(values, kernel, how):
+    """F.avg_pool1d / F.max_pool1d with padding kernel // 2: zeros counted in the mean; max over what exists."""
     out = []
     for i in range(len(values)):
         near = values[max(0, i - kernel // 2): i + kernel // 2 + 1]
-        out.append(max(near) if how == "max" else sum(near) / len(near))
+        out.append(max(near) if how == "max" else sum(near) / kernel)
     return out
 
 
-def simulate_cache(sparse, q, k, v, pos, prompt_len, scaling):
-    """Eviction re-done with Python loops over rows, heads and tokens, from explicit tensors.
+def _dot(a, b):
+    return float(a.double() @ b.double())
 
-    q [B, H, L, D], k, v [B, H_kv, L, D], pos [B, L] (-1 = padding); the first `prompt_len`
-    coordinates are the prefill, then one token per step. Returns, per step, the kept
-    positions per (row, KV head) as sorted lists, and the attention outputs [B, H, L, D].
+
+def simulate_cache(sparse, q, k, v, prompt_len, scaling):
+    """Eviction for ONE prompt, re-done with Python loops over heads and tokens from explicit tensors.
+
+    q [H, L, D], k, v [H_kv, L, D]: token c sits at position c; the first `prompt_len` tokens are the
+    prefill (kept whole), then one token per step. Returns, per step, the kept positions of each KV
+    head (sorted lists), and the attention outputs [H, L, D] (float64).
     """
-    B, H, L, D = q.shape
-    H_kv = k.shape[1]
+    H, L, D = q.shape
+    H_kv = k.shape[0]
     G = H // H_kv
-    out = torch.zeros(B, H, L, D, dtype=torch.float64)
-    kept = [[[] for _ in range(H_kv)] for _ in range(B)]              # coordinates, in slot order
-    acc = [[{} for _ in range(H_kv)] for _ in range(B)]
+    out = torch.zeros(H, L, D, dtype=torch.float64)
+    kept = [[] for _ in range(H_kv)]
+    received = [{} for _ in range(H_kv)]                                # H2O: attention each key received
     steps = []
     for step, new in enumerate([list(range(prompt_len))] + [[c] for c in range(prompt_len, L)]):
-        window_coords = [c for c in range(new[-1] + 1)][-sparse.window:]
-        for b in range(B):
-            real = sum(1 for c in kept[b][0] + new if pos[b, c] >= 0)    # each row counts its own tokens
-            due = sparse.policy != "full" and step > 0 and real - sparse.budget >= max(1, sparse.interval)
-            for h in range(H_kv):
-                slots = kept[b][h] + new
+        held = len(kept[0]) + len(new)
+        due = sparse.policy != "full" and step > 0 and held > sparse.budget and held - sparse.budget >= sparse.interval
+        for h in range(H_kv):
+            kept[h] = kept[h] + new
+            received[h].update({c: 0.0 for c in new})
+            if due:
+                newest = kept[h][-1]
+                window = [c for c in kept[h] if c > newest - sparse.window]
+                before = [c for c in kept[h] if c <= newest - sparse.window]
+                score = _scores(sparse, q, k, h, G, kept[h], before, window, received[h], scaling)
+                best = sorted(range(len(before)), key=lambda i: -score[i])[: sparse.budget - len(window)]
+                kept[h] = sorted([before[i] for i in best] + window)
+            for g in range(G):                                           # this step's queries attend
+                head = h * G + g
                 for c in new:
-                    acc[b][h][c] = 0.0
-                if due:
-                    score = _scores(sparse, q, k, pos, b, h, G, slots, window_coords, acc[b][h], scaling)
-                    newest = max(pos[b, c].item() for c in slots)
-                    score = [math.inf if pos[b, c] > newest - sparse.window else s for c, s in zip(slots, score)]
-                    score = [-math.inf if pos[b, c] < 0 else s for c, s in zip(slots, score)]
-                    best = sorted(range(len(slots)), key=lambda i: -score[i])[: sparse.budget]
-                    slots = [slots[i] for i in sorted(best)]
-                kept[b][h] = slots
-                for g in range(G):                                     # attention of this step's queries
-                    head = h * G + g
-                    for c in new:
-                        if pos[b, c] < 0:
-                            continue
-                        seen = [s for s in slots if 0 <= pos[b, s] <= pos[b, c]]
-                        w = _softmax([(q[b, head, c].double() @ k[b, h, s].double()).item() * scaling for s in seen])
-                        out[b, head, c] = sum(wi * v[b, h, s].double() for wi, s in zip(w, seen))
-                        for wi, s in zip(w, seen):
-                            acc[b][h][s] += wi / G
-        steps.append([[sorted(pos[b, c].item() for c in kept[b][h] if pos[b, c] >= 0) for h in range(H_kv)]
-                      for b in range(B)])
+                    seen = [s for s in kept[h] if s <= c]
+                    w = _softmax([_dot(q[head, c], k[h, s]) * scaling for s in seen])
+                    out[head, c] = sum(wi * v[h, s].double() for wi, s in zip(w, seen))
+                    for wi, s in zip(w, seen):
+                        received[h][s] += wi / G                         # mean over the group's heads
+        steps.append([list(kept[h]) for h in range(H_kv)])
     return steps, out
 
 
-def _scores(sparse, q, k, pos, b, h, G, slots, window_coords, acc, scaling):
-    """One (row, KV head)'s score for every slot, as the policies of METHOD.md section 2 define it."""
+def _scores(sparse, q, k, h, G, kept, before, window, received, scaling):
+    """One KV head's score for each key in `before` (the kept keys before the observation window)."""
     if sparse.policy == "streaming":
-        return [math.inf if pos[b, c] < sparse.sink else float(pos[b, c]) for c in slots]
+        return [math.inf if c < sparse.sink else float(c) for c in before]
     if sparse.policy == "h2o":
-        return [acc[c] for c in slots]
-    importance = [0.0] * len(slots)
-    for g in range(G):
-        for w in window_coords:
-            if pos[b, w] < 0:
-                continue
-            seen = [i for i, c in enumerate(slots) if 0 <= pos[b, c] <= pos[b, w]]
-            probs = _softmax([(q[b, h * G + g, w].double() @ k[b, h, slots[i]].double()).item() * scaling
-                              for i in seen])
-            for i, p in zip(seen, probs):
-                importance[i] += p / G
+        return [received[c] for c in before]
     if sparse.policy == "snapkv":
-        return _pool(importance, sparse.kernel, "avg")
+        # softmax of each window query over the keys up to itself; the before-window keys' probabilities
+        # summed over the window, mean over the group's query heads; average-pooled along `before`
+        attention = {c: 0.0 for c in before}
+        for g in range(G):
+            for w in window:
+                seen = [s for s in kept if s <= w]
+                for s, p in zip(seen, _softmax([_dot(q[h * G + g, w], k[h, s]) * scaling for s in seen])):
+                    if s in attention:
+                        attention[s] += p / G
+        return _pool([attention[c] for c in before], sparse.kernel, "avg")
+    # R-KV: the max over the group's logits, softmax over `before` only, mean over the window queries,
+    # max-pooled; minus the redundancy among all kept keys
+    importance = [0.0] * len(before)
+    for w in window:
+        logits = [max(_dot(q[h * G + g, w], k[h, s]) for g in range(G)) * scaling for s in before]
+        importance = [a + p / len(window) for a, p in zip(importance, _softmax(logits))]
     importance = _pool(importance, sparse.kernel, "max")
-    valid = [i for i, c in enumerate(slots) if pos[b, c] >= 0]
-    unit = [k[b, h, c].double() / k[b, h, c].double().norm() for c in slots]
-    mean_sim = []
-    for i in range(len(slots)):
-        sims = [(unit[i] @ unit[j]).item() for j in valid if j != i]
-        mean_sim.append(sum(s for s in sims if s > 0.5) / len(valid))
-    red = _softmax([mean_sim[i] for i in valid])
-    redundancy = [0.0] * len(slots)
-    for i, r in zip(valid, red):
-        redundancy[i] = r
-    return [sparse.lam * a - (1 - sparse.lam) * r for a, r in zip(importance, redundancy)]
+    unit = [k[h, c].double() / (k[h, c].double().norm() + 1e-8) for c in kept]
+    columns = [0.0] * len(kept)
+    for i in range(len(kept)):
+        row = [0.0 if i == j else float(unit[i] @ unit[j]) for j in range(len(kept))]
+        above = [j for j in range(len(kept)) if row[j] > 0.5]
+        row[max(above) if above else 0] = 0.0                           # the one duplicate a row keeps
+        columns = [a + b for a, b in zip(columns, row)]
+    redundancy = dict(zip(kept, _softmax([c / len(kept) for c in columns])))
+    return [sparse.lam * a - (1 - sparse.lam) * redundancy[c] for a, c in zip(importance, before)]

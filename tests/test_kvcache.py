@@ -3,19 +3,20 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from kvcache import KVCache, SparseConfig, check_model, keep_indices
+from kvcache import SCORERS, KVCache, Rows, SparseConfig, check_model, keep_indices
 from reference import full_forward_logprobs, masked_dense_logprobs, simulate_cache, tiny_model
 from sampler import generate
 
-B, H, H_KV, D = 2, 4, 2, 8
+B, H, H_KV, D = 3, 4, 2, 8
+LENGTHS = (9, 5, 13)   # mixed prompt lengths: the batch is left-padded
 
 
-def random_steps(prompt_lens=(9, 5), new_tokens=24, seed=0):
+def random_steps(prompt_lens=LENGTHS, new_tokens=24, seed=0):
     """Explicit Q, K, V for a left-padded batch: prefill of max(prompt_lens), then one token per step."""
     g = torch.Generator().manual_seed(seed)
     P = max(prompt_lens)
     L = P + new_tokens
-    q, k, v = (torch.randn(B, n, L, D, generator=g) for n in (H, H_KV, H_KV))
+    q, k, v = (torch.randn(len(prompt_lens), n, L, D, generator=g) for n in (H, H_KV, H_KV))
     coord = torch.arange(L)[None]
     start = P - torch.tensor(prompt_lens)[:, None]
     pos = (coord - start).masked_fill(coord < start, -1)
@@ -35,26 +36,53 @@ def run_cache(sparse, q, k, v, pos, P, seed=0):
 
 def kept_positions(cache):
     """Per step, the valid kept positions per (row, KV head), as sorted lists."""
-    return [[[sorted(p for p in step[b, h].tolist() if p >= 0) for h in range(H_KV)] for b in range(B)]
-            for step in cache.history[0]]
+    return [[[sorted(p for p in step[b, h].tolist() if p >= 0) for h in range(step.shape[1])]
+             for b in range(step.shape[0])] for step in cache.history[0]]
 
 
 @pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "snapkv", "rkv"])
-def test_policy_keeps_what_the_loop_reference_keeps(policy):
-    sparse = SparseConfig(policy, budget=7, interval=3, window=2, sink=2, kernel=3)
+def test_each_row_of_a_padded_batch_keeps_what_the_one_prompt_reference_keeps(policy):
+    # the reference runs one prompt at a time with no padding, as the authors' code does; our cache runs
+    # the left-padded batch of mixed lengths, where rows fall due on different steps
+    sparse = SparseConfig(policy, budget=7, interval=3, window=3, sink=2, kernel=3)
     q, k, v, pos, P = random_steps()
     cache, out = run_cache(sparse, q, k, v, pos, P)
-    ref_steps, ref_out = simulate_cache(sparse, q, k, v, pos, P, scaling=D ** -0.5)
-    assert kept_positions(cache) == ref_steps
-    real = (pos >= 0)[:, None, :, None]
-    assert torch.allclose(out.double() * real, ref_out * real, atol=1e-5)
+    steps = kept_positions(cache)
+    for b in range(len(LENGTHS)):
+        real = pos[b] >= 0
+        ref_steps, ref_out = simulate_cache(sparse, q[b][:, real], k[b][:, real], v[b][:, real], LENGTHS[b],
+                                            scaling=D ** -0.5)
+        assert [step[b] for step in steps] == ref_steps, f"row {b}"
+        assert torch.allclose(out[b][:, real].double(), ref_out, atol=1e-5)
     if policy != "full":
-        assert cache.compressions > 0
+        assert cache.compressions > 3
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "rkv"])
+def test_padding_and_holes_are_no_tokens_neighbours(policy):
+    # one row's slots scored as they are, and again with invalid slots (padding in front, holes left by
+    # eviction in the middle, filled with large random keys) among them: the valid slots' scores agree
+    g = torch.Generator().manual_seed(0)
+    sparse = SparseConfig(policy, budget=8, window=3, sink=2, kernel=5)
+    S, W = 12, sparse.window
+    keys, queries = torch.randn(1, H_KV, S, D, generator=g), torch.randn(1, H, W, D, generator=g)
+    pos = torch.arange(S).expand(1, H_KV, S)
+    query_pos = torch.arange(S - W, S)[None]
+    rows = Rows(keys, pos, torch.zeros(1, H_KV, S), queries, query_pos, D ** -0.5, torch.zeros(1, dtype=torch.long))
+    clean = SCORERS[policy](rows, sparse)
+    slots = [None, None, *range(5), None, None, None, *range(5, S)]       # None: padding or a hole
+    holey = torch.stack([keys[0, :, i] if i is not None else 10 * torch.randn(H_KV, D, generator=g) for i in slots], 1)
+    holey_pos = torch.tensor([-1 if i is None else i for i in slots]).expand(1, H_KV, len(slots))
+    scores = SCORERS[policy](Rows(holey[None], holey_pos, torch.zeros(holey_pos.shape), queries, query_pos,
+                                  D ** -0.5, torch.zeros(1, dtype=torch.long)), sparse)
+    real = holey_pos[0, 0] >= 0
+    before = pos[0, 0] <= S - 1 - W                                    # the window's scores are not used
+    assert torch.allclose(scores[..., real][..., before], clean[..., before], atol=1e-6)
 
 
 def test_streaming_keeps_sink_and_most_recent():
     sparse = SparseConfig("streaming", budget=6, interval=1, window=2, sink=2)
-    q, k, v, pos, P = random_steps(prompt_lens=(5, 5), new_tokens=10)
+    q, k, v, pos, P = random_steps(prompt_lens=(5, 5, 5), new_tokens=10)
     cache, _ = run_cache(sparse, q, k, v, pos, P)
     last = pos[0, -1].item()
     assert kept_positions(cache)[-1][0][0] == [0, 1] + list(range(last - 3, last + 1))
@@ -62,7 +90,7 @@ def test_streaming_keeps_sink_and_most_recent():
 
 def test_random_policy_is_seeded_and_keeps_the_window():
     sparse = SparseConfig("random", budget=6, interval=2, window=2, sink=0)
-    q, k, v, pos, P = random_steps(prompt_lens=(8, 8), new_tokens=12)
+    q, k, v, pos, P = random_steps(prompt_lens=(8, 8, 8), new_tokens=12)
     first = kept_positions(run_cache(sparse, q, k, v, pos, P, seed=1)[0])
     again = kept_positions(run_cache(sparse, q, k, v, pos, P, seed=1)[0])
     other = kept_positions(run_cache(sparse, q, k, v, pos, P, seed=2)[0])
@@ -77,7 +105,7 @@ def test_kept_tokens_stay_within_budget_plus_interval():
     out = generate(model, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5]], sparse,
                    max_new_tokens=40, temperature=1.0, record=True)
     cache = out.stats["cache"]
-    tokens = torch.stack([torch.tensor([[int((s[b, h] >= 0).sum()) for h in range(H_KV)] for b in range(B)])
+    tokens = torch.stack([torch.tensor([[int((s[b, h] >= 0).sum()) for h in range(H_KV)] for b in range(2)])
                           for s in cache.history[0]])                 # [steps, B, H_kv] valid kept tokens
     assert tokens.max() <= sparse.budget + sparse.interval
     assert out.stats["peak_kv_tokens"] <= sparse.budget + sparse.interval
@@ -85,7 +113,7 @@ def test_kept_tokens_stay_within_budget_plus_interval():
     dropped = tokens[1:] < tokens[:-1]
     assert dropped.any() and (tokens[1:][dropped] == sparse.budget).all()
     # bytes: 2 (K and V) * layers * batch * kv_heads * head_dim * 4 bytes (fp32) per slot
-    per_slot = 2 * 2 * B * H_KV * (64 // 4) * 4
+    per_slot = 2 * 2 * 2 * H_KV * (64 // 4) * 4   # K and V, 2 layers, 2 rows
     assert out.stats["peak_kv_bytes"] == out.stats["peak_kv_tokens"] * per_slot
     assert out.stats["dense_kv_bytes"] == (13 + out.tokens.shape[1] - 1) * per_slot
 
@@ -117,11 +145,11 @@ def test_blocktopk_pages_match_a_brute_force_choice():
     # every decode step, re-chosen with loops from the raw keys: page = position // 4, score = the
     # group-mean query . the page's mean key; first page + 2 newest + the 2 best others
     sparse = SparseConfig("blocktopk", budget=8, page_size=4, dense_layers=0)
-    q, k, v, pos, P = random_steps(prompt_lens=(9, 5), new_tokens=24)
+    q, k, v, pos, P = random_steps()
     cache, _ = run_cache(sparse, q, k, v, pos, P)
     for step, got in enumerate(kept_positions(cache)[1:]):
         col = P + step                                                 # the query's column
-        for b in range(B):
+        for b in range(len(LENGTHS)):
             seen = [int(pos[b, c]) for c in range(col + 1) if pos[b, c] >= 0]   # positions so far
             column = {p: c for c in range(col + 1) for p in [int(pos[b, c])]}
             pages = sorted({p // 4 for p in seen})
@@ -136,13 +164,15 @@ def test_blocktopk_pages_match_a_brute_force_choice():
 
 
 def test_keep_indices_by_hand():
-    # one row, one head, 6 slots; the first slot is padding, window 1 keeps the newest (pos 4)
-    pos = torch.tensor([[[-1, 0, 1, 2, 3, 4]]])
-    scores = torch.tensor([[[9.0, 0.5, 3.0, 0.1, 2.0, -5.0]]])
-    index, kept = keep_indices(scores, pos, budget=3, window=1, due=torch.tensor([True]))
-    assert index.tolist() == [[[2, 4, 5]]] and kept.all()
-    index, kept = keep_indices(scores, pos, budget=3, window=1, due=torch.tensor([False]))
-    assert index.tolist() == [[[1, 2, 3, 4, 5]]] and kept.all()
+    # row 0 keeps 3 of its 6 slots: the window slot (+inf), then the scores 3.0 and 2.0; padding (-inf) goes.
+    # Row 1 keeps its 5 valid tokens. The buffers stay rectangular (5 slots): row 0's two extra slots are
+    # its next-best evicted tokens, in slot order, marked not kept.
+    inf = float("inf")
+    scores = torch.tensor([[-inf, 0.5, 3.0, 0.1, 2.0, inf],
+                           [inf, inf, inf, -inf, inf, inf]])[:, None]
+    index, kept = keep_indices(scores, torch.tensor([3, 5]))
+    assert index.tolist() == [[[1, 2, 3, 4, 5]], [[0, 1, 2, 4, 5]]]
+    assert kept.tolist() == [[[False, True, False, True, True]], [[True] * 5]]
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -155,7 +185,6 @@ def test_keep_indices_by_hand():
     (dict(sink=-1), "sink must be a non-negative integer"),
     (dict(kernel=4), "kernel must be odd"),
     (dict(lam=1.5), "lam must lie in \\[0, 1\\]"),
-    (dict(gqa="sum"), "gqa must be 'mean' or 'max'"),
     (dict(policy="blocktopk", budget=8, page_size=16), "budget=8 must be >= page_size = 16"),
     (dict(page_size=0), "page_size must be a positive integer"),
     (dict(dense_layers=-1), "dense_layers must be a non-negative integer"),

@@ -85,7 +85,9 @@ def test_a_schedule_sets_the_budget_of_each_compression(model):
 
 # 4. the online controller
 
-def test_controller_holds_the_tail_where_a_constant_budget_of_the_same_mean_does_not(model):
+def test_controller_holds_the_tail_in_its_band_with_budgets_that_grow_with_the_context(model):
+    # (With the authors' SnapKV scoring, a constant budget at the controller's token-weighted mean, 13, also
+    # holds 0.97 on this tiny random model, at 0.9700 in its worst bin: the controller's gain is not shown here.)
     controller = Controller(threshold=0.97, bin_size=8, bins=6, start=6, low=6, high=64, step=2, band=0.01,
                             min_tokens=5)
     sparse = SparseConfig(**{**vars(SPARSE), "schedule": controller})
@@ -95,10 +97,8 @@ def test_controller_holds_the_tail_where_a_constant_budget_of_the_same_mean_does
     tails, counts = tail_by_bin(alpha, positions, 8)
     held = [t for t, c in zip(tails.tolist(), counts.tolist()) if c >= 5]
     assert all(0.97 <= t <= 0.97 + 0.02 for t in held)                   # the stated band: [target, target + 0.02]
-    mean_budget = int(controller(positions[positions >= 0]).float().mean().round())   # token-weighted
-    fixed = SparseConfig(**{**vars(SPARSE), "budget": mean_budget})
-    const_tails, const_counts = tail_by_bin(*measure(model, PROMPTS, fixed, 20, seed=100), 8)
-    assert min(t for t, c in zip(const_tails.tolist(), const_counts.tolist()) if c >= 5) < 0.97
+    budgets = list(controller.budgets)
+    assert budgets == sorted(budgets) and budgets[-1] > budgets[0]     # moved, and non-decreasing in the context
 
 
 def test_a_failing_bin_raises_the_bin_whose_eviction_it_suffers():
