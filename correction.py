@@ -165,7 +165,7 @@ def mismatch_stats(logp_dense, logp_sparse, mask, topk_dense=None, topk_sparse=N
     stats["tokens"] = int(real.sum())
     if stats["tokens"] == 0:
         return stats
-    q05, q50, q95 = torch.quantile(rho, torch.tensor([0.05, 0.5, 0.95], dtype=rho.dtype)).tolist()
+    q05, q50, q95 = torch.quantile(rho, torch.tensor([0.05, 0.5, 0.95], dtype=rho.dtype, device=rho.device)).tolist()
     stats.update(rho_mean=rho.mean().item(), rho_min=rho.min().item(), rho_max=rho.max().item(),
                  rho_p05=q05, rho_p50=q50, rho_p95=q95, kl_k1=(-log_rho).mean().item(),
                  kl_k3=(rho - 1 - log_rho).mean().item(),
@@ -248,7 +248,7 @@ def group_advantages(rewards, group_size, scale=True, eps=1e-4):
         A_i =  r_i - mean_g                      scale=False (Dr. GRPO, `--no-std`)
     std is the population std (a group of one gets A = 0, not NaN). A group whose rewards are
     all equal carries no signal: its advantages are exactly 0 (section 8).
-    Returns (advantages [N], stats: groups, zero_std_groups).
+    Returns (advantages [N], float: integer rewards give float advantages; stats: groups, zero_std_groups).
     """
     check_groups(rewards, group_size)
     if eps <= 0 and scale:
@@ -259,7 +259,8 @@ def group_advantages(rewards, group_size, scale=True, eps=1e-4):
         centered = centered / (r.std(-1, correction=0, keepdim=True) + eps)
     flat = r.max(-1).values == r.min(-1).values                                       # [G]
     advantages = centered.masked_fill(flat[:, None], 0.0)
-    return advantages.view(-1).to(rewards.dtype), dict(groups=r.shape[0], zero_std_groups=int(flat.sum()))
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    return advantages.view(-1).to(dtype), dict(groups=r.shape[0], zero_std_groups=int(flat.sum()))
 
 
 def policy_loss(logp, logp_old, advantages, mask, weights=None, clip=0.2, clip_high=None,
@@ -348,20 +349,20 @@ def downsample(rewards, group_size, m, rule="max-variance", generator=None):
         raise ValueError(f"rule must be 'max-variance', 'max-reward' or 'random', got {rule!r}")
     r = rewards.double().view(-1, n)                                                  # [G, n]
     if rule == "random":
-        chosen = torch.rand(r.shape, generator=generator).argsort(-1)[:, :m]
+        chosen = torch.rand(r.shape, generator=generator, device=r.device).argsort(-1)[:, :m]
     elif rule == "max-reward":
         chosen = r.argsort(dim=-1, descending=True, stable=True)[:, :m]
     else:
         sorted_r, order = r.sort(dim=-1, stable=True)                       # ascending
-        zero = torch.zeros(r.shape[0], 1, dtype=r.dtype)
+        zero = r.new_zeros(r.shape[0], 1)
         S1 = torch.cat([zero, sorted_r.cumsum(-1)], -1)                       # [G, n + 1]
         S2 = torch.cat([zero, (sorted_r ** 2).cumsum(-1)], -1)
-        k = torch.arange(m + 1)                                               # k highest + (m - k) lowest
+        k = torch.arange(m + 1, device=r.device)                             # k highest + (m - k) lowest
         sum1 = S1[:, m - k] + S1[:, n:] - S1[:, n - k]                        # [G, m + 1]
         sum2 = S2[:, m - k] + S2[:, n:] - S2[:, n - k]
         best = (sum2 / m - (sum1 / m) ** 2).argmax(-1, keepdim=True)         # [G, 1]
-        j = torch.arange(n)
+        j = torch.arange(n, device=r.device)
         in_subset = (j < m - best) | (j >= n - best)                          # [G, n], m per row
         chosen = order[in_subset].view(-1, m)
-    offsets = torch.arange(r.shape[0])[:, None] * n
+    offsets = torch.arange(r.shape[0], device=r.device)[:, None] * n
     return (chosen.sort(-1).values + offsets).view(-1)

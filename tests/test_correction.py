@@ -180,6 +180,14 @@ def hand_loss_inputs():
     return logp, logp_old, torch.tensor([1.0, -1.0]), mask, weights
 
 
+def test_integer_rewards_give_float_advantages():
+    # the rewards' dtype is kept only when it is a float one: long rewards must not truncate A to 0 or +-1
+    advantages, _ = group_advantages(torch.tensor([0, 1, 0, 1, 2, 2, 2, 5]), 4)
+    assert advantages.dtype == torch.float32
+    assert advantages[:4].tolist() == pytest.approx([-1, 1, -1, 1], abs=1e-3)      # std 0.5
+    assert advantages[4:].tolist() == pytest.approx([-0.577, -0.577, -0.577, 1.732], abs=1e-3)
+
+
 def test_policy_loss_by_hand():
     logp, logp_old, adv, mask, weights = hand_loss_inputs()
     # max(-rA, -clip(r, 0.8, 1.2)A): resp 0 -> -1.2 (clipped), -0.5, -1 ; weighted -1.2 -1.0 -1.0
