@@ -150,26 +150,48 @@ def encode_target(tokenizer, answer):
 # (the wording of verl's GSM8K preprocessing).
 ANSWER_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
-NUMBER = r"-?\d[\d,]*(?:\.\d+)?"  # 72, -3, 2.50, 1,234
-# A final-answer marker: the rest of a "####" line, or the inside of \boxed{...}.
-_MARKER = re.compile(r"####([^\n]*)|\\boxed\{([^{}]*)\}")
-# The number a marker's text starts with; a dollar sign is allowed since GSM8K asks about money.
-_LEADING_NUMBER = re.compile(r"\s*\$?\s*(" + NUMBER + ")")
+NUMBER = r"-?\d[\d,]*(?:\.\d+)?"  # what a data file's final answer may be: 72, -3, 2.50, 1,234
+# The number a final answer starts with: a sign, maybe a dollar sign ("-$5", "$-5"), then 1,234.5 (commas
+# only between groups of three digits), 72, 2.50 or .5; never followed by more digits or by ",5" ("1,5"
+# is no number we can read: not 15, not 1.5).
+_LEADING_NUMBER = re.compile(r"\s*(-?)\s*\$?\s*(-?)\s*(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?![\d,]*,\d|\d)")
+
+
+def _braced(text, start):
+    """The text of the braces opened just before `start`, up to the one that closes them, or None."""
+    depth = 1
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start:i]
+    return None
+
+
+def _plain(text):
+    """A final answer without its LaTeX and markdown: \\text{72}, 1{,}000, \\$72, **72** -> 72, 1,000, $72, 72."""
+    text = text.replace("{,}", ",").replace("\\$", "$").replace("\\!", "").replace("\\,", "").replace("*", "")
+    return re.sub(r"\\(?:text|textbf|mathrm)\{([^{}]*)\}", r"\1", text)
 
 
 def extract_answer(completion):
     """The final answer of a completion as a float, or None when it has none.
 
-    Only the last marker counts: "#### N" or "\\boxed{N}", commas ignored ("#### 1,234" is 1234).
-    Text without a marker ("The answer is 5") has no answer: the model is asked for the marker,
-    and guessing the last number would reward intermediate results (verl's "strict" GSM8K rule).
+    Only the last marker counts: "#### N" (the rest of its line) or "\\boxed{N}" (braces balanced),
+    read after `_plain` drops LaTeX and markdown around the number; commas group thousands
+    ("#### 1,234" is 1234). Text without a marker ("The answer is 5") has no answer: the model is
+    asked for the marker, and guessing the last number would reward intermediate results (verl's
+    "strict" GSM8K rule).
     """
-    markers = list(_MARKER.finditer(completion))
+    markers = [(m.start(), m.group(1)) for m in re.finditer(r"####([^\n]*)", completion)]
+    markers += [(m.start(), _braced(completion, m.end())) for m in re.finditer(r"\\boxed\{", completion)]
     if not markers:
         return None
-    last = markers[-1]
-    number = _LEADING_NUMBER.match(last.group(1) if last.group(1) is not None else last.group(2))
-    return float(number.group(1).replace(",", "")) if number else None
+    text = max(markers)[1]
+    number = _LEADING_NUMBER.match(_plain(text)) if text is not None else None
+    if not number:
+        return None
+    sign = -1.0 if "-" in number.group(1) + number.group(2) else 1.0
+    return sign * float(number.group(3).replace(",", ""))
 
 
 def numeric_reward(completion, answer):

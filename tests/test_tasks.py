@@ -164,6 +164,16 @@ def test_encode_target_is_the_answer_then_eos():
     ("\\boxed{x}", "5", 0.0),
     ("#### 5\nwait, no: \\boxed{7}", "7", 1.0),  # the last marker counts
     ("#### 5\nwait, no: \\boxed{7}", "5", 0.0),
+    ("\\boxed{\\text{72}}", "72", 1.0),                    # LaTeX and markdown around the number
+    ("\\boxed{1{,}000}", "1000", 1.0),
+    ("\\boxed{\\$72}", "72", 1.0),
+    ("#### **72**", "72", 1.0),
+    ("#### -$5", "-5", 1.0),
+    ("#### $-5", "-5", 1.0),
+    ("#### .5", "0.5", 1.0),
+    ("#### 1,5", "15", 0.0),                                  # not a number we can read: not 15,
+    ("#### 1,5", "1", 0.0),                                   # not 1 either
+    ("\\boxed{\\frac{1}{2}}", "1", 0.0),
 ])
 def test_numeric_reward_hand_cases(completion, answer, expected):
     assert numeric_reward(completion, answer) == expected
@@ -171,6 +181,8 @@ def test_numeric_reward_hand_cases(completion, answer, expected):
 
 def test_extract_answer():
     assert extract_answer("#### 1,234,567.25") == 1234567.25
+    assert extract_answer("\\boxed{\\text{1{,}000}} apples") == 1000
+    assert extract_answer("#### 1,5") is None and extract_answer("\\boxed{72") is None
     assert extract_answer("The answer is 5") is None
     assert extract_answer("") is None
 
