@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -49,6 +50,8 @@ def warm_up(model, tokenizer, task, steps, digits):
     lr 3e-3, 50 steps of linear warm-up then linear decay to 0: 400 steps of 64 examples reach
     ~96% exact answers on held-out prompts (measured; without the decay, ~45%).
     """
+    if steps == 0:   # no warm-up: the random model as it is
+        return model.eval()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * (1 - s / steps))
     model.train()
@@ -133,11 +136,18 @@ def load_pretrained(model, gguf_file=None, cache_dir=CACHE_DIR, device="cpu", dt
     return loaded.to(device).eval(), tokenizer
 
 
-
 def save_atomically(folder, write):
-    """Run write(tmp_folder), then rename it to `folder`: a kill at any moment leaves no half folder."""
-    tmp = Path(f"{folder}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    """Run write(tmp_folder), then rename it to `folder`: a kill at any moment leaves either the old
+    folder or the new one whole, never half of one. The temporary name is unique (two writers never
+    share it), and an existing `folder` is moved aside first, then removed."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{folder.name}.tmp-", dir=folder.parent))
     write(tmp)
+    old = None
+    if folder.exists():   # a directory cannot be renamed onto a non-empty one
+        old = Path(tempfile.mkdtemp(prefix=f"{folder.name}.old-", dir=folder.parent))
+        os.replace(folder, old / folder.name)
     os.replace(tmp, folder)
+    if old is not None:
+        shutil.rmtree(old)

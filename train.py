@@ -22,6 +22,7 @@ import argparse
 import copy
 import json
 import random
+import re
 import shutil
 import sys
 import time
@@ -95,7 +96,10 @@ def parse_args(argv=None):
     g.add_argument("--downsample", default="max-variance", choices=["max-variance", "max-reward", "random"])
     g.add_argument("--no-std", action="store_true", help="Dr. GRPO: advantages not divided by the group std")
     g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each batch of rollouts")
-    g.add_argument("--minibatch", type=int, default=32, help="responses per optimizer step")
+    g.add_argument("--minibatch", type=int, default=None, help="responses per AdamW step; default: all of a "
+                   "step's rollouts, one AdamW step per batch")
+    g.add_argument("--micro-batch", type=int, default=32, help="rows per forward pass (re-scoring, update); "
+                   "memory only: gradients are accumulated, the result does not change")
     g.add_argument("--lr", type=float, help="AdamW learning rate (toy 1e-5, else 1e-6)")
     g.add_argument("--clip", type=float, default=0.2, help="PPO clip eps")
     g.add_argument("--kl", type=float, default=0.0, help="k3 KL coefficient to a frozen reference copy")
@@ -119,10 +123,19 @@ def parse_args(argv=None):
 
 def check_args(args):
     """Every bad value is one clear error line, before any model is built."""
-    for name in ["budget", "interval", "window", "bin_size", "max_new_tokens", "prompts", "ppo_epochs", "minibatch",
+    for name in ["budget", "interval", "window", "bin_size", "max_new_tokens", "prompts", "ppo_epochs", "micro_batch",
                  "steps", "eval_every", "eval_size", "save_every"]:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.minibatch is not None and args.minibatch < 1:
+        raise ValueError(f"--minibatch must be >= 1 (or left out: all rollouts), got {args.minibatch}")
+    for name in ["warmup_steps", "veto", "kl", "temperature", "seed"]:
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ["lr", "clip", "cap"]:
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name} must be > 0, got {getattr(args, name)}")
+    C.check_band(*args.band)
     if args.group_size < 2:
         raise ValueError(f"--group-size must be >= 2 (GRPO compares rollouts of one prompt), got {args.group_size}")
     if not 1 <= args.keep <= args.group_size:
@@ -140,6 +153,8 @@ def check_args(args):
         raise ValueError("give --schedule FILE or --controller THRESHOLD, not both")
     if (args.schedule or args.controller is not None) and args.policy == "full":
         raise ValueError("--schedule and --controller set the budget of a sparse policy; --policy full keeps everything")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA device (is this the CPU build of torch?)")
 
 
 def sparse_config(args):
@@ -177,7 +192,11 @@ def load_data(args):
         return None, make_examples(args.task, args.eval_size, -1 - args.seed, *args.digits)  # seeds training never uses
     train = load_jsonl(args.data)
     held_out = load_jsonl(args.eval_data) if args.eval_data else train[-args.eval_size:]
-    return (train if args.eval_data else train[: -args.eval_size]), held_out[: args.eval_size]
+    train = train if args.eval_data else train[: -args.eval_size]
+    if len(train) < args.prompts:
+        raise ValueError(f"{args.data} leaves {len(train)} training examples after the {args.eval_size} held out "
+                         f"(--eval-size); a step needs --prompts {args.prompts}: pass --eval-data or a smaller --eval-size")
+    return train, held_out[: args.eval_size]
 
 
 def step_examples(args, train, step):
@@ -190,31 +209,35 @@ def step_examples(args, train, step):
 # ----------------------------------------------------------------------------- one step, and evaluation
 
 def rewards_of(rollouts, examples, tokenizer, reward):
-    """Reward of each rollout [N] against the answer of its example."""
-    texts = tokenizer.batch_decode(rollouts.tokens * rollouts.mask.long(), skip_special_tokens=True)
-    return torch.tensor([reward(text, e["answer"]) for text, e in zip(texts, examples)])
+    """Reward of each rollout [N] (float, on the CPU) against the answer of its example: the text of its
+    response tokens only (what follows them is padding, maybe a real token id such as 0)."""
+    lengths = rollouts.mask.sum(-1).long().tolist()
+    texts = tokenizer.batch_decode([row[:n] for row, n in zip(rollouts.tokens.tolist(), lengths)],
+                                   skip_special_tokens=True)
+    return torch.tensor([float(reward(text, e["answer"])) for text, e in zip(texts, examples)])
 
 
 def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, step):
     """Sample, score, correct and learn from one batch of prompts; returns the step's metrics."""
     t0 = time.perf_counter()
+    seed = args.seed * 100_003 + step                                # all of a step's randomness: (seed, step)
     group = [e for e in examples for _ in range(args.group_size)]      # n rollouts per prompt, consecutive
     rollouts = generate(model, [encode_prompt(tokenizer, e["prompt"]) for e in group], sparse,
                         args.max_new_tokens, args.temperature, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id, seed=args.seed * 100_003 + step)
+                        pad_token_id=tokenizer.pad_token_id, seed=seed)
     rewards = rewards_of(rollouts, group, tokenizer, reward)
     metrics = dict(step=step, reward=rewards.mean().item(), accuracy=(rewards == 1).float().mean().item())
     if args.keep < args.group_size:                                  # PODS: train on the m most informative
-        keep = C.downsample(rewards, args.group_size, args.keep, args.downsample)
+        keep = C.downsample(rewards, args.group_size, args.keep, args.downsample, torch.Generator().manual_seed(seed))
         rollouts, rewards = rollouts.select(keep), rewards[keep]
     t1 = time.perf_counter()
-    # pi_old: the same weights, full prefix (METHOD.md section 1). Even naive training re-scores:
+    # pi_old: the same weights, full prefix (docs/method.md section 1). Even naive training re-scores:
     # the PPO ratio needs pi_old, and the mismatch is measured for every variant.
-    logp_old, topk_old = C.dense_logprobs(model, rollouts, args.minibatch, args.temperature, topk=True)
-    log_rho = logp_old - rollouts.logprobs
+    logp_old, topk_old = C.dense_logprobs(model, rollouts, args.micro_batch, args.temperature, topk=True)
+    log_rho = logp_old - rollouts.logprobs                          # rho = pi_old / pi_sparse
     metrics.update(C.mismatch_stats(logp_old, rollouts.logprobs, rollouts.mask, topk_old, rollouts.topk_logprobs,
                                     *args.band))
-    # Sparrow's tail per length bin (METHOD.md section 4); the controller's probe is this same measurement
+    # Sparrow's tail per length bin (section 4); the controller's probe is this same measurement
     alpha, contexts = C.acceptance(topk_old, rollouts.topk_logprobs), S.token_contexts(rollouts)
     budget = None if sparse.policy == "full" else sparse.schedule or S.constant(sparse.budget)
     metrics.update(S.bin_metrics(alpha, contexts, args.bin_size, budget))
@@ -224,34 +247,51 @@ def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, st
     if args.correction == "sparse-rl":                               # section 5: reject, then reweight
         mask, reject = C.rejection_mask(log_rho, rollouts.mask, args.veto, *args.band)
         metrics.update(reject)
-    if args.correction in ("sparse-rl", "tis"):
+    if args.correction in ("sparse-rl", "tis"):                      # normalised over the ORIGINAL mask
         weights = C.importance_weights(log_rho, rollouts.mask, args.cap)
-    advantages, adv = C.group_advantages(rewards, args.keep, scale=not args.no_std)
+    advantages, adv = C.group_advantages(rewards, args.keep, scale=not args.no_std)   # from all rewards
     metrics.update(adv)
-    logp_ref = C.dense_logprobs(ref_model, rollouts, args.minibatch, args.temperature) if ref_model else None
+    logp_ref = C.dense_logprobs(ref_model, rollouts, args.micro_batch, args.temperature) if ref_model else None
     t2 = time.perf_counter()
-    model.train()
-    losses = []
-    for _ in range(args.ppo_epochs):                                 # epochs > 1 or several minibatches:
-        order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(step))  # r_t leaves 1
-        for rows in order.split(args.minibatch):
-            logp = C.response_logprobs(model, rollouts.select(rows), args.temperature)
-            loss, stats = C.policy_loss(logp, logp_old[rows], advantages[rows], mask[rows], weights[rows],
-                                        args.clip, kl_coef=args.kl,
-                                        logp_ref=None if logp_ref is None else logp_ref[rows], agg=args.agg)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append((loss.item(), stats))
-    model.eval()
+    loss, clip_frac = update(model, opt, rollouts, logp_old, advantages.to(logp_old.device), mask, weights, logp_ref,
+                             args, seed)
     t3 = time.perf_counter()
-    metrics.update(loss=float(np.mean([l for l, _ in losses])),
-                   clip_frac=float(np.mean([s["clip_frac"] for _, s in losses])),
+    metrics.update(loss=loss, clip_frac=clip_frac, lr=opt.param_groups[0]["lr"],
                    mean_weight=(weights * mask).sum().item() / max(mask.sum().item(), 1),
                    peak_kv_bytes=rollouts.stats["peak_kv_bytes"], dense_kv_bytes=rollouts.stats["dense_kv_bytes"],
                    rollout_s=t1 - t0, scoring_s=t2 - t1, update_s=t3 - t2)
     return {"vetoed": 0, "dropped_tokens": 0, **metrics}           # without rejection: none
+
+
+def update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, args, seed):
+    """The learner: `--ppo-epochs` passes over the rollouts in shuffled minibatches of `--minibatch` (default all
+    of them: one AdamW step per batch), each minibatch forward and backward `--micro-batch` rows at a time
+    with the gradients accumulated. -> (mean loss, mean clip fraction) over the AdamW steps."""
+    order = torch.Generator().manual_seed(seed)                        # a new shuffle every epoch and step
+    losses, clips = [], []
+    model.train()
+    for _ in range(args.ppo_epochs):                                 # epochs > 1 or several minibatches: r_t leaves 1
+        for batch in torch.randperm(len(rollouts), generator=order).split(args.minibatch or len(rollouts)):
+            batch = batch.to(logp_old.device)
+            kept = mask[batch] > 0                                   # the loss is a mean over the minibatch:
+            total = int((kept.any(-1) if args.agg == "seq-mean" else kept).sum()) or 1   # its responses or tokens
+            step_loss, step_clip = 0.0, []
+            for rows in batch.split(args.micro_batch):
+                logp = C.response_logprobs(model, rollouts.select(rows), args.temperature)
+                loss, stats = C.policy_loss(logp, logp_old[rows], advantages[rows], mask[rows], weights[rows],
+                                            args.clip, kl_coef=args.kl,
+                                            logp_ref=None if logp_ref is None else logp_ref[rows], agg=args.agg)
+                share = stats["responses" if args.agg == "seq-mean" else "tokens"] / total
+                (loss * share).backward()                            # this micro-batch's part of the mean
+                step_loss += loss.item() * share
+                step_clip.append(stats["clip_frac"])
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(step_loss)
+            clips.append(float(np.mean(step_clip)))
+    model.eval()
+    return float(np.mean(losses)), float(np.mean(clips))
 
 
 @torch.no_grad()
@@ -272,24 +312,38 @@ def save_checkpoint(out, step, model, tokenizer, opt, args, sparse):
     def write(tmp):
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        torch.save(dict(step=step, optimizer=opt.state_dict(), torch_rng=torch.get_rng_state(),
-                        numpy_rng=np.random.get_state(), python_rng=random.getstate(),
-                        budgets=sparse.schedule.budgets if sparse.schedule else None), tmp / "trainer_state.pt")
+        # tensors, numbers and lists only, so that torch.load(..., weights_only=True) reads it back. The step's
+        # randomness comes from (seed, step); the global torch RNG matters only to a --model with dropout.
+        budgets = list(sparse.schedule.budgets) if sparse.schedule else None
+        torch.save(dict(step=step, optimizer=opt.state_dict(), torch_rng=torch.get_rng_state(), budgets=budgets),
+                   tmp / "trainer_state.pt")
         (tmp / "args.json").write_text(json.dumps(vars(args), indent=1))
     save_atomically(out / f"step-{step:06d}", write)
-    for old in sorted(out.glob("step-*[0-9]"))[:-2]:                 # keep the last two
+    for old in checkpoints(out)[:-2]:                                # keep the last two
         shutil.rmtree(old)
 
 
+def checkpoints(out):
+    """The finished checkpoint folders step-NNNNNN in `out`, oldest first (not a leftover temporary folder)."""
+    return sorted(p for p in out.glob("step-*") if re.fullmatch(r"step-\d+", p.name))
+
+
 def last_checkpoint(out):
-    done = sorted(out.glob("step-*[0-9]"))
+    done = checkpoints(out)
     return done[-1] if done else None
 
 
 def truncate_log(path, last_step):
-    """Keep the lines of a JSONL log up to `last_step` (a resumed run rewrites what came after)."""
+    """Keep the lines of a JSONL log up to `last_step` (a resumed run rewrites what came after). A line that
+    is not JSON, such as one half written when the run was killed, is dropped."""
     if path.exists():
-        lines = [l for l in path.read_text().splitlines() if json.loads(l)["step"] <= last_step]
+        lines = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= last_step:
+                    lines.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                pass
         path.write_text("".join(l + "\n" for l in lines))
 
 
@@ -303,8 +357,6 @@ def main(argv=None):
     dtype = dict(float32=torch.float32, bfloat16=torch.bfloat16)[args.dtype]
     out = Path(args.out)
     torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
-    random.seed(args.seed)
     start_time = time.time()
     try:
         check_args(args)
@@ -323,11 +375,14 @@ def main(argv=None):
     if args.resume and (ckpt := last_checkpoint(out)):
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(device).eval()
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
         opt.load_state_dict(state["optimizer"])
+        saved_lr = opt.param_groups[0]["lr"]
+        for group in opt.param_groups:                                 # the command line's lr, not the saved one
+            group["lr"] = args.lr
+        if saved_lr != args.lr:
+            print(f"learning rate {args.lr} (the checkpoint was trained at {saved_lr})")
         torch.set_rng_state(state["torch_rng"])
-        np.random.set_state(state["numpy_rng"])
-        random.setstate(state["python_rng"])
         if controller:                                                   # its budgets are state, like the weights
             budgets = state.get("budgets")
             if budgets is None or len(budgets) != len(controller.bins):

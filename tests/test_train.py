@@ -12,8 +12,7 @@ import train
 
 # Short prompts (4-8 digits) so that a warm-up of 80 steps takes seconds; shared by the tests below.
 SMALL = ["--digits", "4", "8", "--warmup-steps", "80", "--max-new-tokens", "10", "--eval-size", "32",
-         "--prompts", "4", "--group-size", "4", "--minibatch", "8", "--budget", "10", "--interval", "2",
-         "--window", "2"]
+         "--prompts", "4", "--group-size", "4", "--budget", "10", "--interval", "2", "--window", "2"]
 METRIC_KEYS = {"step", "reward", "accuracy", "rho_mean", "rho_min", "rho_p05", "kl_k1", "kl_k3", "alpha_mean",
                "alpha_p05", "vetoed", "dropped_tokens", "mean_weight", "clip_frac", "peak_kv_bytes", "dense_kv_bytes",
                "rollout_s", "scoring_s", "update_s", "loss", "zero_std_groups"}
@@ -38,7 +37,8 @@ def run_in(folder, warm, *argv):
 
 
 def test_a_run_writes_every_metric_and_a_loadable_checkpoint(tmp_path, warm):
-    model, final, lines = run_in(tmp_path, warm, "--steps", "3", "--save-every", "2", "--ppo-epochs", "2")
+    model, final, lines = run_in(tmp_path, warm, "--steps", "3", "--save-every", "2", "--ppo-epochs", "2",
+                                 "--minibatch", "8")
     assert [l["step"] for l in lines] == [1, 2, 3]
     for line in lines:
         assert METRIC_KEYS <= set(line)
@@ -87,7 +87,7 @@ def test_a_schedule_file_equal_to_the_budget_gives_the_same_run_and_a_tighter_on
 def test_dense_grpo_raises_the_reward(tmp_path, warm):
     # 80 warm-up steps leave the sampled reward near 0.3: room to learn. Measured: 0.30 -> 0.41 (first and last 20 steps).
     _, _, lines = run_in(tmp_path, warm, "--policy", "full", "--steps", "60", "--prompts", "8", "--group-size", "8",
-                         "--minibatch", "64", "--lr", "5e-5", "--eval-every", "60")
+                         "--lr", "5e-5", "--eval-every", "60")
     mean = lambda ls: sum(l["reward"] for l in ls) / len(ls)
     assert mean(lines[-20:]) > mean(lines[:20]) + 0.05, (mean(lines[:20]), mean(lines[-20:]))
 
@@ -101,6 +101,14 @@ def test_dense_grpo_raises_the_reward(tmp_path, warm):
     (["--gguf-file", "m.gguf"], "--gguf-file 'm.gguf' needs --model"),
     (["--budget", "3", "--window", "2", "--sink", "2"], "budget=3 must be >= window \\+ sink"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--cap", "0"], "--cap must be > 0, got 0.0"),
+    (["--band", "1.5", "0.5"], "need 0 <= low < high for the rho band, got low=1.5, high=0.5"),
+    (["--lr", "-1"], "--lr must be > 0, got -1.0"),
+    (["--veto", "-1"], "--veto must be >= 0, got -1.0"),
+    (["--clip", "0"], "--clip must be > 0, got 0.0"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
+    (["--minibatch", "0"], "--minibatch must be >= 1"),
+    (["--micro-batch", "0"], "--micro-batch must be >= 1, got 0"),
     (["--schedule", "s.json", "--controller", "0.86"], "give --schedule FILE or --controller THRESHOLD, not both"),
     (["--controller", "0.86", "--policy", "full"], "--policy full keeps everything"),
     (["--controller", "1.5"], "threshold must lie in \\[0, 1\\], got 1.5"),
@@ -139,3 +147,159 @@ def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit):
         train.parse_args(argv)
     assert "invalid choice" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the wiring of one step
+
+@pytest.fixture
+def spied_step(monkeypatch, warm):
+    """One rl_step of the small warm model with every correction call recorded -> (calls, rollouts, reference
+    log-probs of the sampled tokens from a plain forward pass of each row, AdamW steps taken)."""
+    from reference import full_forward_logprobs
+
+    calls = {}
+
+    def spy(name):
+        real = getattr(train.C, name)
+
+        def wrapper(*args, **kwargs):
+            out = real(*args, **kwargs)
+            calls.setdefault(name, []).append((args, kwargs, out))
+            return out
+        monkeypatch.setattr(train.C, name, wrapper)
+
+    for name in ("rejection_mask", "importance_weights", "policy_loss", "group_advantages"):
+        spy(name)
+    sampled = []
+    real_generate = train.generate
+    monkeypatch.setattr(train, "generate", lambda *a, **k: sampled.append(real_generate(*a, **k)) or sampled[-1])
+    args = train.parse_args(SMALL + ["--ppo-epochs", "2", "--minibatch", "8"])
+    model, tokenizer = models.load_pretrained(str(warm))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    steps = []
+    real_step = opt.step
+    monkeypatch.setattr(opt, "step", lambda *a, **k: steps.append(1) or real_step(*a, **k))
+    examples = train.make_examples("sort", args.prompts, 5, *args.digits)
+    reference = None
+    model_copy = __import__("copy").deepcopy(model)                   # the weights before the update: pi_old
+    train.rl_step(model, None, opt, tokenizer, examples, train.reward_fn("sort"), train.sparse_config(args), args, 7)
+    rollouts = sampled[0]
+    reference = torch.zeros_like(rollouts.logprobs)
+    for i, prompt in enumerate(rollouts.prompts):
+        n = int(rollouts.mask[i].sum())
+        reference[i, :n] = full_forward_logprobs(model_copy, prompt, rollouts.tokens[i, :n].tolist())
+    return calls, rollouts, reference, steps
+
+
+def test_rl_step_hands_each_correction_the_right_tensors(spied_step):
+    calls, rollouts, dense, _ = spied_step
+    (log_rho, mask, *_), _, (new_mask, _) = calls["rejection_mask"][0]
+    real = rollouts.mask > 0
+    # log rho = log pi_old - log pi_sparse, with pi_old the dense re-scoring: not the other sign
+    assert torch.allclose(log_rho[real], (dense - rollouts.logprobs)[real], atol=1e-4)
+    assert (log_rho[real] != 0).any()                                 # eviction made the two differ
+    assert torch.equal(mask, rollouts.mask)
+    # the weights are normalised over the ORIGINAL response mask, not the one rejection left
+    (w_log_rho, w_mask, *_), _, weights = calls["importance_weights"][0]
+    assert torch.equal(w_log_rho, log_rho) and torch.equal(w_mask, rollouts.mask)
+    assert not torch.equal(new_mask, rollouts.mask)                   # rejection did drop something
+    # the loss sees pi_old = the dense re-scoring (not the sampler's log-probs), the rejected mask and the weights
+    (rewards, *_), _, (advantages, _) = calls["group_advantages"][0]
+    for (logp, logp_old, adv, loss_mask, loss_weights, *_), kwargs, _ in calls["policy_loss"]:
+        rows = [next(i for i in range(len(dense)) if torch.equal(loss_mask[j], new_mask[i]) and
+                     torch.allclose(logp_old[j], dense[i], atol=1e-4)) for j in range(len(logp_old))]
+        assert torch.allclose(logp_old, dense[rows], atol=1e-4)
+        assert torch.equal(loss_weights, weights[rows]) and torch.equal(adv, advantages[rows])
+
+
+def test_rl_step_takes_one_adamw_step_per_minibatch_and_reshuffles_every_epoch(spied_step):
+    calls, rollouts, _, steps = spied_step
+    assert len(steps) == 2 * len(rollouts) // 8                      # 2 epochs of 16 rollouts in minibatches of 8
+    batches = [kwargs.get("logp_old", args[1]) for args, kwargs, _ in calls["policy_loss"]]
+    first, second = torch.cat(batches[:2]), torch.cat(batches[2:])
+    assert not torch.equal(first, second)                            # another order in the second epoch
+
+
+def test_by_default_a_batch_is_one_optimizer_step_whatever_the_micro_batch(warm, monkeypatch):
+    # one step on all 16 rollouts, computed 3 rows at a time, equals the step computed at once (SGD at lr 1
+    # and no clipping, so the weights move by the gradient itself: a micro-batch weighed wrongly would show)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *args, **kwargs: None)
+    args = train.parse_args(SMALL)
+    moved = []
+    for micro in (3, 64):
+        model, tokenizer = models.load_pretrained(str(warm))
+        before = torch.cat([p.detach().flatten() for p in model.parameters()])
+        opt, steps = torch.optim.SGD(model.parameters(), lr=1.0), []
+        real_step = opt.step
+        opt.step = lambda *a, **k: steps.append(1) or real_step(*a, **k)
+        args.micro_batch = micro
+        examples = train.make_examples("sort", args.prompts, 5, *args.digits)
+        train.rl_step(model, None, opt, tokenizer, examples, train.reward_fn("sort"), train.sparse_config(args),
+                      args, 3)
+        moved.append(torch.cat([p.detach().flatten() for p in model.parameters()]) - before)
+        assert steps == [1]
+    assert moved[0].abs().max() > 1e-4 and torch.allclose(moved[0], moved[1], atol=1e-6)
+
+
+def test_random_down_sampling_is_a_function_of_seed_and_step(warm, monkeypatch):
+    kept = []
+    real = train.C.downsample
+    monkeypatch.setattr(train.C, "downsample", lambda *a, **k: kept.append(real(*a, **k)) or kept[-1])
+    args = train.parse_args(SMALL + ["--keep", "2", "--downsample", "random"])
+    model, tokenizer = models.load_pretrained(str(warm))
+    for global_seed in (0, 1):                                      # the global RNG must not matter
+        torch.manual_seed(global_seed)
+        train.rl_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), tokenizer,
+                      train.make_examples("sort", 4, 5, 4, 8), train.reward_fn("sort"), train.sparse_config(args),
+                      args, 3)
+    assert torch.equal(kept[0], kept[1])
+
+
+def test_rewards_read_the_response_tokens_only():
+    # a vocabulary whose id 0 is a real character, as in GPT-2-style tokenizers: padding must not decode as "!"
+    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    backend = Tokenizer(tok_models.WordLevel({"!": 0, "7": 1, "2": 2, "<eos>": 3}, unk_token="!"))
+    backend.pre_tokenizer = pre_tokenizers.Split(tokenizers_regex(), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<eos>")
+    from sampler import Rollouts
+    tokens = torch.tensor([[1, 2, 3, 0, 0], [1, 2, 0, 0, 0]])          # after each response: padding (id 0)
+    mask = torch.tensor([[1.0, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
+    rollouts = Rollouts([[1], [1]], tokens, mask, torch.zeros(2, 5), torch.zeros(2, 5, 1), torch.zeros(2, 5, 1))
+    rewards = train.rewards_of(rollouts, [{"answer": "72"}] * 2, tok, train.reward_fn("sort"))
+    assert rewards.tolist() == [1.0, 1.0] and rewards.dtype == torch.float32
+
+
+def tokenizers_regex():
+    from tokenizers import Regex
+    return Regex(r"[\s\S]")
+
+
+def test_resume_survives_a_half_written_line_and_reads_state_with_weights_only(tmp_path, warm):
+    run_in(tmp_path, warm, "--steps", "2", "--save-every", "2", "--eval-every", "2")
+    torch.load(tmp_path / "step-000002" / "trainer_state.pt", weights_only=True)   # no pickled objects
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "reward": 0.')                          # killed in the middle of step 3's line
+    _, _, lines = run_in(tmp_path, warm, "--steps", "3", "--save-every", "1", "--eval-every", "3", "--resume",
+                         "--lr", "3e-5")
+    assert [l["step"] for l in lines] == [1, 2, 3]
+    assert lines[1]["lr"] == 1e-5 and lines[2]["lr"] == 3e-5          # the --lr given on resume holds
+
+
+def test_save_atomically_replaces_an_existing_folder(tmp_path):
+    target = tmp_path / "ckpt"
+    models.save_atomically(target, lambda tmp: (tmp / "a.txt").write_text("old"))
+    models.save_atomically(target, lambda tmp: (tmp / "b.txt").write_text("new"))
+    assert sorted(p.name for p in target.iterdir()) == ["b.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]     # no temporary folder left behind
+    assert train.checkpoints(tmp_path) == []                         # and none would pass for a checkpoint
+    (tmp_path / "step-000004.tmp-ab12").mkdir()
+    assert train.checkpoints(tmp_path) == []
+
+
+def test_a_data_file_smaller_than_the_held_out_split_is_refused(tmp_path):
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join('{"question": "1+%d?", "answer": "#### %d"}\n' % (i, i + 1) for i in range(10)))
+    with pytest.raises(SystemExit, match="leaves 0 training examples after the 256 held out"):
+        train.main(["--data", str(data), "--model", str(tmp_path), "--out", str(tmp_path / "run")])
