@@ -30,6 +30,15 @@ from tasks import encode_prompt, encode_target, make_examples
 
 SMOLLM2 = "smollm2-135m"
 CACHE_DIR = "~/.cache/sparse-rl"   # where GGUF models are kept de-quantised
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def pick_device(name):
+    """The torch.device a `--device` flag names: "auto" (CUDA if torch sees a GPU, else the CPU), "cpu" or
+    "cuda"; a ValueError, before any model is loaded, if CUDA is asked for and absent."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA device (is this the CPU build of torch?)")
+    return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name)
 
 
 # ----------------------------------------------------------------------------- the toy model

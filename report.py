@@ -41,7 +41,7 @@ from tqdm import tqdm
 import correction as C
 import train
 from kvcache import POLICIES, SparseConfig
-from models import CACHE_DIR, SMOLLM2, load_pretrained
+from models import CACHE_DIR, DTYPES, SMOLLM2, load_pretrained, pick_device
 from sampler import generate
 from schedule import THRESHOLD
 from tasks import encode_prompt, load_jsonl, numeric_reward, reward_fn
@@ -66,12 +66,15 @@ def parse_args(argv=None):
     g.add_argument("--window", type=int, default=8, help="recent tokens always kept")
     g.add_argument("--sink", type=int, default=4, help="first tokens kept by streaming")
     g.add_argument("--batch-size", type=int, default=25, help="questions decoded together")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
+    g.add_argument("--dtype", default="float32", choices=list(DTYPES))
     g = commands.add_parser("runs", help="compare train.py runs: accuracy, KV memory, rejection, time, tail, PODS")
     g.add_argument("folders", nargs="*", metavar="RUN_DIR", help="train.py --out folders named <variant>-s<seed>")
     g.add_argument("--out", required=True, metavar="PREFIX",
                    help="writes PREFIX.md and, with matplotlib, PREFIX_reward.png, PREFIX_accuracy.png, PREFIX_tail.png")
     g.add_argument("--robust-budgets", type=int, nargs="+", default=[], metavar="B",
                    help="also evaluate each final model greedily through the run's cache at budget B")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
     return p.parse_args(argv)
 
 
@@ -106,7 +109,8 @@ def inference(args):
     configs = [SparseConfig("full")] + [SparseConfig(policy, budget, args.interval, args.window, args.sink)
                                         for budget in args.budgets for policy in args.policies]  # raise early
     examples = load_jsonl(args.data)[: args.limit]
-    model, tokenizer = load_pretrained(args.model, args.gguf_file, args.cache_dir)
+    device = pick_device(args.device)
+    model, tokenizer = load_pretrained(args.model, args.gguf_file, args.cache_dir, device, DTYPES[args.dtype])
     rows = []
     for sparse in tqdm(configs, desc="configurations", dynamic_ncols=True):
         rows.append((sparse, run_inference(model, tokenizer, examples, sparse, args.max_new_tokens, args.batch_size)))
@@ -328,10 +332,9 @@ def robust_plan(folder, final_step, budgets):
         raise ValueError(f"--robust-budgets {' '.join(map(str, budgets))} for {folder!r}: {error}") from None
 
 
-def robust_accuracy(ckpt, args, configs):
+def robust_accuracy(ckpt, args, configs, device):
     """Greedy accuracy of a final model on its run's own held-out prompts (rebuilt as train.py does), per cache."""
-    dtype = dict(float32=torch.float32, bfloat16=torch.bfloat16)[args.dtype]
-    model, tokenizer = load_pretrained(str(ckpt), dtype=dtype)
+    model, tokenizer = load_pretrained(str(ckpt), device=device, dtype=DTYPES[args.dtype])
     _, held_out = train.load_data(args)
     reward = numeric_reward if args.data else reward_fn(args.task)
     return [train.evaluate(model, tokenizer, held_out, reward, sparse, args) for sparse in configs]
@@ -344,6 +347,7 @@ def runs(args):
     for b in args.robust_budgets:
         if b < 1:
             raise ValueError(f"--robust-budgets must be >= 1, got {b}")
+    device = pick_device(args.device)
     logs = [read_run(folder) for folder in args.folders]
     plans = [robust_plan(folder, evals[-1]["step"], args.robust_budgets)
              for folder, (_, evals) in zip(args.folders, logs)] if args.robust_budgets else []
@@ -351,7 +355,7 @@ def runs(args):
     for folder, log in zip(args.folders, logs):
         groups.setdefault(variant_of(folder), []).append(log)
     for folder, plan in zip(args.folders, tqdm(plans, desc="final models", dynamic_ncols=True, disable=not plans)):
-        robust.setdefault(variant_of(folder), []).append(robust_accuracy(*plan))
+        robust.setdefault(variant_of(folder), []).append(robust_accuracy(*plan, device))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     plot(groups, args.out)
     return report_text(groups, args.robust_budgets, robust)

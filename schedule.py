@@ -24,8 +24,10 @@ from pathlib import Path
 
 import torch
 
+import tasks
 from correction import acceptance, dense_logprobs  # acceptance: alpha = sum_v min(p_a, p_b) (section 4)
 from kvcache import DENSE, SparseConfig
+from models import load_pretrained, pick_device
 from sampler import generate
 
 THRESHOLD = 0.86  # Sparrow: runs whose 5th-percentile acceptance stayed >= 0.86 trained stably
@@ -345,6 +347,7 @@ def main(argv=None):
     g.add_argument("--dense-layers", type=int, default=2, help="blocktopk dense layers")
     g.add_argument("--max-new-tokens", type=int, default=40, help="response length")
     g.add_argument("--out", default="results/schedule.json", help="where the schedule is written")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
     g = p.add_argument_group("cost model (METHOD.md section 6)")
     g.add_argument("--speedup", metavar="SCHEDULE.json", help="predicted speedup of a schedule for Qwen3 shapes")
     g.add_argument("--context", type=int, default=32768, help="tokens generated")
@@ -353,13 +356,13 @@ def main(argv=None):
     if not (args.calibrate or args.speedup):
         p.error("give --calibrate and/or --speedup SCHEDULE.json")
     if args.calibrate:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        import tasks
         if not Path(args.model).is_dir():
             p.error(f"no model folder {args.model!r}: run `python train.py` first (it caches its toy model in "
                     "out/warmup), or pass --model")
-        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
-        tok = AutoTokenizer.from_pretrained(args.model)
+        try:
+            model, tok = load_pretrained(args.model, device=pick_device(args.device))
+        except ValueError as error:
+            p.error(str(error))
         prompts = [tasks.encode_prompt(tok, e["prompt"]) for e in tasks.make_examples(args.task, args.prompts, 0, 12, 20)]
         sparse = SparseConfig(args.policy, interval=args.interval, window=args.window, sink=args.sink,
                               page_size=args.page_size, dense_layers=args.dense_layers,

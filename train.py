@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM
 import correction as C
 import schedule as S
 from kvcache import POLICIES, SparseConfig
-from models import CACHE_DIR, SMOLLM2, load_pretrained, save_atomically, toy_model, warm_up
+from models import CACHE_DIR, DTYPES, SMOLLM2, load_pretrained, pick_device, save_atomically, toy_model, warm_up
 from sampler import generate
 from tasks import TASKS, char_tokenizer, encode_prompt, load_jsonl, make_examples, numeric_reward, reward_fn
 
@@ -112,8 +112,8 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default="out", help="output folder")
     g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
+    g.add_argument("--dtype", default="float32", choices=list(DTYPES))
     args = p.parse_args(argv)
     p.set_defaults(**(TOY if args.model is None and args.data is None else CPU if args.model == SMOLLM2 else PAPER))
     args = p.parse_args(argv)                  # again: flags given on the command line beat the preset
@@ -153,8 +153,6 @@ def check_args(args):
         raise ValueError("give --schedule FILE or --controller THRESHOLD, not both")
     if (args.schedule or args.controller is not None) and args.policy == "full":
         raise ValueError("--schedule and --controller set the budget of a sparse policy; --policy full keeps everything")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but torch sees no CUDA device (is this the CPU build of torch?)")
 
 
 def sparse_config(args):
@@ -352,14 +350,13 @@ def truncate_log(path, last_step):
 def main(argv=None):
     """Run training as the command line says; returns the trained model and the final evaluation."""
     args = parse_args(argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
-    dtype = dict(float32=torch.float32, bfloat16=torch.bfloat16)[args.dtype]
+    dtype = DTYPES[args.dtype]
     out = Path(args.out)
     torch.manual_seed(args.seed)
     start_time = time.time()
     try:
         check_args(args)
+        device = pick_device(args.device)
         sparse = sparse_config(args)
         train, held_out = load_data(args)
         out.mkdir(parents=True, exist_ok=True)

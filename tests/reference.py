@@ -29,8 +29,8 @@ def tiny_model(arch="llama", seed=0, **overrides):
 def hf_greedy(model, prompts, max_new_tokens, pad_token_id=0, eos_token_id=None):
     """Hugging Face `generate(do_sample=False)` on a left-padded batch -> new tokens [N, T]."""
     P = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_token_id] * (P - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad_token_id] * (P - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                          min_new_tokens=0, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
     return out[:, P:]
@@ -38,10 +38,10 @@ def hf_greedy(model, prompts, max_new_tokens, pad_token_id=0, eos_token_id=None)
 
 def full_forward_logprobs(model, prompt, response, temperature=1.0):
     """Log-probs of `response` after `prompt` from one plain forward pass (no cache, one row)."""
-    ids = torch.tensor([prompt + response])
+    ids = torch.tensor([prompt + response], device=model.device)
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1: -1].float()
-    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+    return torch.log_softmax(logits / temperature, -1).gather(-1, ids[0, len(prompt):, None])[:, 0]
 
 
 def _masked_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, layer_masks=None,
@@ -70,14 +70,15 @@ def masked_dense_logprobs(model, rollouts, temperature=1.0):
     Coordinates: the left-padded prompt occupies [0, P); response token t sits at P + t.
     Step 0 is the prefill (queries 0..P-1); step s >= 1 feeds response token s - 1.
     """
-    history = rollouts.stats["cache"].history
-    N, T = rollouts.tokens.shape
+    history = [[kept.cpu() for kept in layer] for layer in rollouts.stats["cache"].history]
+    tokens = rollouts.tokens.cpu()
+    N, T = tokens.shape
     P = max(len(p) for p in rollouts.prompts)
     L = P + T - 1                                                      # the last token is never fed
     lens = torch.tensor([len(p) for p in rollouts.prompts])
     coord = torch.arange(L)[None]
     pos = (coord - (P - lens[:, None])).masked_fill(coord < P - lens[:, None], -1)   # [N, L]
-    ids = torch.cat([torch.tensor([[0] * (P - len(p)) + p for p in rollouts.prompts]), rollouts.tokens[:, :-1]], 1)
+    ids = torch.cat([torch.tensor([[0] * (P - len(p)) + p for p in rollouts.prompts]), tokens[:, :-1]], 1)
     step_of_query = (coord - P + 1).clamp(min=0)[0]                    # [L]
     H_kv = history[0][0].shape[1]
     masks = []
@@ -91,13 +92,14 @@ def masked_dense_logprobs(model, rollouts, temperature=1.0):
         masks.append(mask)
     previous = model.config._attn_implementation
     model.set_attn_implementation("masked_reference")
+    device = model.device
     try:
         with torch.no_grad():
-            logits = model(ids, position_ids=pos.clamp(min=0), layer_masks=masks,
-                           key_positions=pos).logits[:, P - 1:].float()
+            logits = model(ids.to(device), position_ids=pos.clamp(min=0).to(device),
+                           layer_masks=[m.to(device) for m in masks], key_positions=pos.to(device)).logits[:, P - 1:]
     finally:
         model.set_attn_implementation(previous)
-    logp = torch.log_softmax(logits / (temperature or 1.0), -1)
+    logp = torch.log_softmax(logits.float() / (temperature or 1.0), -1)
     return logp.gather(-1, rollouts.tokens[..., None])[..., 0] * rollouts.mask
 
 

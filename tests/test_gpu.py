@@ -1,0 +1,83 @@
+"""The sampler, the cache and train.py on a GPU: skipped where torch sees no CUDA device (CI has none).
+
+Run on a GPU machine with `pytest tests/test_gpu.py`. The same checks can be run on the CPU with
+`GPU_TESTS_DEVICE=cpu pytest tests/test_gpu.py`, which is how this file's own logic is checked where no
+GPU is at hand; it proves nothing about CUDA.
+"""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import train
+from correction import dense_logprobs
+from kvcache import SparseConfig
+from reference import full_forward_logprobs, hf_greedy, masked_dense_logprobs, tiny_model
+from sampler import generate
+
+DEVICE = torch.device(os.environ.get("GPU_TESTS_DEVICE", "cuda"))
+pytestmark = pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="no CUDA device")
+
+PROMPTS = [[5, 9, 3, 7, 1, 12, 33, 8, 2], [4, 17, 6], [21, 22, 23, 24, 25, 26]]   # left-padded: mixed lengths
+EVICTING = ["streaming", "h2o", "snapkv", "rkv", "random"]
+
+
+def sparse_config(policy):
+    if policy == "blocktopk":
+        return SparseConfig("blocktopk", budget=4, page_size=4, dense_layers=1)
+    return SparseConfig(policy, budget=8, interval=3, window=2, sink=2, kernel=3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_dense_greedy_equals_hugging_face_in_fp32(arch):
+    model = tiny_model(arch).to(DEVICE)
+    ours = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=24, temperature=0)
+    assert ours.tokens.device.type == DEVICE.type
+    assert torch.equal(ours.tokens, hf_greedy(model, PROMPTS, 24))
+    for row, prompt in enumerate(PROMPTS):
+        dense = full_forward_logprobs(model, prompt, ours.tokens[row].tolist())
+        assert (ours.logprobs[row] - dense).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("policy", EVICTING + ["blocktopk"])
+def test_eviction_equals_masking_in_fp32(policy):
+    model = tiny_model("llama").to(DEVICE)
+    out = generate(model, PROMPTS, sparse_config(policy), max_new_tokens=30, temperature=1.0, seed=3, record=True)
+    assert (out.logprobs - masked_dense_logprobs(model, out)).abs().max() < 1e-4
+    dense = torch.stack([full_forward_logprobs(model, p, out.tokens[i].tolist()) for i, p in enumerate(PROMPTS)])
+    assert (out.logprobs - dense).abs().max() > 1e-2                  # eviction really changed something
+
+
+@pytest.mark.parametrize("policy", ["full"] + EVICTING + ["blocktopk"])
+def test_every_policy_runs_in_bf16_within_its_budget(policy):
+    model = tiny_model("qwen3").to(DEVICE, torch.bfloat16)
+    sparse = sparse_config(policy)
+    out = generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=1.0, seed=1, record=True)
+    assert torch.isfinite(out.logprobs).all() and (out.logprobs[out.mask > 0] < 0).all()
+    c = model.config                                  # K and V, layers, rows, KV heads, head_dim, 2 bytes in bf16
+    per_token = 2 * c.num_hidden_layers * len(PROMPTS) * c.num_key_value_heads * c.head_dim * 2
+    assert out.stats["peak_kv_bytes"] == out.stats["peak_kv_tokens"] * per_token
+    if policy in EVICTING:
+        assert out.stats["peak_kv_tokens"] <= sparse.budget + sparse.interval
+        kept = torch.stack([(step >= 0).sum(-1) for step in out.stats["cache"].history[0][1:]])
+        assert kept.max() <= sparse.budget + sparse.interval
+
+
+def test_dense_logprobs_equal_the_samplers_with_a_full_cache():
+    model = tiny_model("llama").to(DEVICE)
+    out = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=20, temperature=1.0, seed=2)
+    logp, topk = dense_logprobs(model, out, batch_size=2, topk=True)
+    assert (logp - out.logprobs).abs().max() < 1e-4
+    assert (topk - out.topk_logprobs)[out.mask > 0].abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("argv, steps", [([], 3), (["--correction", "sparse-rl", "--policy", "random"], 2)],
+                         ids=["default", "random-policy"])
+def test_train_runs_on_the_device(tmp_path, argv, steps):
+    train.main(argv + ["--device", DEVICE.type, "--steps", str(steps), "--out", str(tmp_path)])
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, steps + 1))
+    assert all(math.isfinite(line["loss"]) and line["peak_kv_bytes"] < line["dense_kv_bytes"] for line in lines)
+    assert (tmp_path / f"step-{steps:06d}" / "model.safetensors").is_file()
