@@ -1,4 +1,4 @@
-"""What sparse rollouts save and cost, measured side by side on this machine (issue 6).
+"""What sparse rollouts save and cost, measured side by side on this machine.
 
     python bench.py                  # the full measurement (CPU: about 25 minutes on 2 cores)
     python bench.py --quick          # the same code on a tiny model, in seconds (tests/test_bench.py)
@@ -50,7 +50,7 @@ QUICK = dict(layers=3, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, batch
 # thread), its own shape filled in by build_model, and a budget that evicts within prompt + 256 new.
 PRETRAINED = dict(batch=8, prompt=128, new=256, long_new=768, budget=128, interval=32, repeats=2, long_repeats=1,
                   contexts=(256, 512, 896), mm=2048, keep=4)
-# The sparse samplers compared: four that evict (METHOD.md section 2), and Sparrow's block top-k (section 3),
+# The sparse samplers compared: four that evict (docs/method.md section 2), and Sparrow's block top-k (section 3),
 # which keeps every token and saves attention work instead (SparseConfig's page size and dense layers).
 EVICTION = ["streaming", "h2o", "snapkv", "rkv"]
 SPARSE = EVICTION + ["blocktopk"]

@@ -1,7 +1,7 @@
 """Off-policy correction for sparse rollouts, the GRPO loss and rollout down-sampling.
 
 A sparse rollout is sampled by pi_sparse (compressed KV cache) but trained as if it came from
-the dense policy, so three policies disagree (METHOD.md section 1). This module is the trainer's
+the dense policy, so three policies disagree (docs/method.md section 1). This module is the trainer's
 answer, function by function in the order of one training step:
 
 - re-scoring: `dense_logprobs` (pi_old, no grad) and `response_logprobs` (pi_theta, with grad)
@@ -26,7 +26,7 @@ Shapes: N responses, T response tokens (right-padded), k top-k entries, V vocabu
 """
 import torch
 
-LOG_RHO_CLAMP = 20.0  # rho = exp(clamp(log rho, -20, 20)) keeps every ratio finite (METHOD.md section 1)
+LOG_RHO_CLAMP = 20.0  # rho = exp(clamp(log rho, -20, 20)) keeps every ratio finite (docs/method.md section 1)
 
 
 # ----------------------------------------------------------------------------- input checks

@@ -1,4 +1,4 @@
-"""Comparison tables, printed as markdown (METHOD.md sections 2, 4, 5 and 7).
+"""Comparison tables, printed as markdown (docs/method.md sections 2, 4, 5 and 7).
 
     python report.py inference --model smollm2-135m --data ../shared/data/gsm8k/test.jsonl --limit 100 \\
         --policies snapkv rkv h2o streaming --budgets 64 128 --interval 32 > results/smollm2_gsm8k.md
@@ -15,7 +15,7 @@ Progress goes to stderr, the table to stdout.
     python report.py runs results/runs/{dense,naive,tis,sparse-rl,schedule}-s? --robust-budgets 24 20 \\
         --out results/corrections                                   # as reproduce.sh does
 
-`runs`: what training did, one row per variant (METHOD.md sections 4, 5, 7). Each RUN_DIR is a
+`runs`: what training did, one row per variant (docs/method.md sections 4, 5, 7). Each RUN_DIR is a
 `python train.py --out RUN_DIR` folder named <variant>-s<seed>; the seeds of a variant are averaged,
 variants keep the order given. Three tables, each explained in one line above it, printed and written
 to PREFIX.md: the comparison (columns in `comparison_rows`), the acceptance tail per length bin
@@ -199,7 +199,7 @@ def comparison_rows(groups, robust=None):
 
 def tail_by_variant(groups):
     """{variant: {(first, last) context of a length bin: tail}}: the per-step 5th percentile of the acceptance
-    alpha in each bin (METHOD.md section 4), averaged over all steps and seeds that had tokens in the bin."""
+    alpha in each bin (docs/method.md section 4), averaged over all steps and seeds that had tokens in the bin."""
     tails = {}
     for variant, runs in groups.items():
         pooled = {}
@@ -220,7 +220,7 @@ def mean_curve(logs, key):
 
 
 def reach_rows(groups):
-    """When each variant first reaches the baseline's best dense accuracy (PODS, METHOD.md section 7).
+    """When each variant first reaches the baseline's best dense accuracy (PODS, docs/method.md section 7).
 
     The baseline is the first variant; its best is the highest mean-over-seeds dense accuracy at an evaluation
     after step 0. For each variant: the first evaluation after step 0 whose mean dense accuracy is >= that best,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The comparison runs behind README "Results" (issue 7; METHOD.md sections 4-7), then their report.
+# The comparison runs behind README "Results" (docs/method.md sections 4-7), then their report.
 #
 #   bash reproduce.sh                   # every experiment, then report.py
 #   bash reproduce.sh corrections       # one experiment (corrections | schedule | pods), or: report

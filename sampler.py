@@ -1,4 +1,4 @@
-"""Batched generation through the evictable KV cache (METHOD.md sections 1 and 2).
+"""Batched generation through the evictable KV cache (docs/method.md sections 1 and 2).
 
 This is pi_sparse, the sampler of a sparse rollout: a plain PyTorch decode loop that
 feeds a Hugging Face causal LM one token at a time through `kvcache.KVCache`, and

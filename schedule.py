@@ -1,4 +1,4 @@
-"""Sparsity schedules: the budget as a function of the context length (METHOD.md sections 3, 4, 6).
+"""Sparsity schedules: the budget as a function of the context length (docs/method.md sections 3, 4, 6).
 
 A fixed budget is too aggressive late in a long generation (the tail of the acceptance falls as
 the context grows) or too lenient early. Sparrow keeps the 5th percentile of the per-token
@@ -204,7 +204,7 @@ class Controller:
     """An online schedule: per-bin budgets that follow the measured tail, with no offline profiling.
 
     The probe: after each rollout batch the trainer already re-scores every sampled token densely
-    (pi_old, METHOD.md section 5), at the sampler's top-k ids; `acceptance` of those is alpha_t for
+    (pi_old, docs/method.md section 5), at the sampler's top-k ids; `acceptance` of those is alpha_t for
     free, so `update(alpha, positions)` costs a quantile per bin and no forward pass. (Outside
     training the probe is `measure` on a few rows: one dense forward over prompt + response each.)
     The rule, per update:
@@ -348,7 +348,7 @@ def main(argv=None):
     g.add_argument("--max-new-tokens", type=int, default=40, help="response length")
     g.add_argument("--out", default="results/schedule.json", help="where the schedule is written")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
-    g = p.add_argument_group("cost model (METHOD.md section 6)")
+    g = p.add_argument_group("cost model (docs/method.md section 6)")
     g.add_argument("--speedup", metavar="SCHEDULE.json", help="predicted speedup of a schedule for Qwen3 shapes")
     g.add_argument("--context", type=int, default=32768, help="tokens generated")
     g.add_argument("--batch", type=int, default=64, help="rows decoded together")
@@ -398,7 +398,7 @@ def main(argv=None):
             rows.append((f"the same stretched x{factor:.0f} to {args.context} tokens", schedule.scaled(factor)))
         rows += [(f"constant budget {b} (for scale)", constant(b)) for b in (8192, 4096, 2048)]
         print(f"Predicted rollout speedup over dense ({args.policy}, {args.context} tokens decoded at batch "
-              f"{args.batch}; cost model of METHOD.md section 6 with H100 bf16 balance)\n")
+              f"{args.batch}; cost model of docs/method.md section 6 with H100 bf16 balance)\n")
         print("| schedule | " + " | ".join(QWEN3) + " |\n|---|" + "---|" * len(QWEN3))
         for label, x in rows:
             print(f"| {label} | " + " | ".join(f"{speedup(c, x, args.context, batch=args.batch, **pages):.2f}x"

@@ -53,7 +53,7 @@ TASKS = {
     "sort": Task("S", sorted),
     "reverse": Task("R", lambda digits: digits[::-1]),
 }
-# The range measured in issue 4: long enough that a 24-token cache must evict digits.
+# Long enough that a 24-token cache must evict digits.
 MIN_DIGITS, MAX_DIGITS = 12, 20
 
 

@@ -1,4 +1,4 @@
-"""Sparse-RL: GRPO on rollouts sampled through a compressed KV cache (METHOD.md sections 1, 5, 7, 8).
+"""Sparse-RL: GRPO on rollouts sampled through a compressed KV cache (docs/method.md sections 1, 5, 7, 8).
 
     python train.py                              # tiny Llama on the toy sort task, CPU, a few minutes
     python train.py --correction none            # naive sparse training, no correction

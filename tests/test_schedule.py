@@ -1,7 +1,7 @@
 """schedule.py: acceptance, tail per bin, calibration, the online controller, the cost model, bad input.
 
-Numbered as issue 5's "What must be true"; each test compares with an independent computation
-(numpy, a hand calculation, a brute-force sum) so it can fail."""
+Each test compares with an independent computation (numpy, a hand calculation, a brute-force sum),
+so it can fail."""
 import numpy as np
 import pytest
 import torch
