@@ -297,38 +297,40 @@ def random(rows, sparse):
 SCORERS = {"streaming": streaming, "h2o": h2o, "snapkv": snapkv, "rkv": rkv, "random": random}
 
 
-def keep_indices(scores, count):
+def keep_indices(scores, count, n):
     """Which slots survive a compression: scores [B, H_kv, S] (+inf: must stay, -inf: must go),
-    count [B] (host): the tokens each row keeps. -> (index, kept), both [B, H_kv, S'].
+    count [B]: the tokens each row keeps, n = max(count) (a host int). -> (index, kept), both [B, H_kv, n].
 
-    The buffers stay rectangular, so S' is the most any row keeps; a row that keeps fewer fills
-    the rest of its S' slots with evicted tokens that `kept` marks False. `index` is in slot order.
+    The buffers stay rectangular, so n is the most any row keeps; a row that keeps fewer fills
+    the rest of its n slots with evicted tokens that `kept` marks False. `index` is in slot order.
     """
-    n = int(count.max())
     # a stable sort, so ties (common after max-pooling) go to the earlier slot, reproducibly
     ranked = scores.sort(dim=-1, descending=True, stable=True).indices[..., :n]
-    kept = (torch.arange(n) < count[:, None]).to(scores.device)[:, None].expand_as(ranked)
+    kept = (torch.arange(n, device=scores.device) < count[:, None])[:, None].expand_as(ranked)
     index, order = ranked.sort(dim=-1)
     return index, kept.gather(-1, order)
 
 
-def compress(layer, sparse, due, count, salt):
-    """Score the slots of the rows that are `due` [B] (host bool) with the policy, and keep `count` [B]
-    (host) tokens in every row: the due rows their best, padding first out and the `window` always in;
-    the others all their tokens. Only the due rows are scored: rows fall due on different steps."""
+def compress(layer, sparse, rows, salt, count, n):
+    """Score the slots of the `rows` [b] that are due with the policy, and keep `count` [B] tokens in every
+    row (n = max count, a host int): the due rows their best, padding first out and the `window` always
+    in; the others all their tokens. Only the due rows are scored: rows fall due on different steps.
+    `salt` [b]: the due rows' (seed, layer, context), for `random`. Tensors on the cache's device."""
     valid = layer.pos >= 0
     scores = torch.where(valid, float("inf"), float("-inf"))
-    index = due.nonzero()[:, 0]
-    at = index.to(valid.device)
     remembered = layer.queries is not None
-    rows = Rows(layer.keys[at], layer.pos[at], layer.acc[at], layer.queries[at] if remembered else None,
-                layer.query_pos[at] if remembered else None, layer.scaling, salt[index].to(valid.device))
-    recent = rows.pos > rows.pos.amax(-1, keepdim=True) - sparse.window
-    scores[at] = SCORERS[sparse.policy](rows, sparse).float().masked_fill(recent, float("inf")).masked_fill(
-        rows.pos < 0, float("-inf"))
-    index, kept = keep_indices(scores, count)
-    layer.keep(index, kept)
-    layer.holes = bool((count < index.shape[-1]).any())
+    due = Rows(layer.keys[rows], layer.pos[rows], layer.acc[rows], layer.queries[rows] if remembered else None,
+               layer.query_pos[rows] if remembered else None, layer.scaling, salt)
+    recent = due.pos > due.pos.amax(-1, keepdim=True) - sparse.window
+    scores[rows] = SCORERS[sparse.policy](due, sparse).float().masked_fill(recent, float("inf")).masked_fill(
+        due.pos < 0, float("-inf"))
+    layer.keep(*keep_indices(scores, count, n))
+
+
+def to_device(host, device):
+    """A small host tensor on `device` without a sync: a copy from pageable memory would make the host
+    wait for the GPU's queue to drain, one from pinned memory runs in the background."""
+    return host if device.type != "cuda" else host.pin_memory().to(device, non_blocking=True)
 
 
 def top_pages(layer, query, top, k):
@@ -457,12 +459,19 @@ class KVCache(Cache):
         self.row_tokens = torch.where(self.due, self.budget, self.row_tokens)
         self.compressing = bool(self.due.any())
         self.compressions += self.compressing
+        if self.compressing:   # what every layer's compression needs, in one copy to the device
+            rows = self.due.nonzero()[:, 0]
+            b, salt = len(rows), self.seed * 1_000_003 + self.context[rows]          # + layer * 65_537 per layer
+            plan = to_device(torch.cat([rows, salt, self.row_tokens]), positions.device)
+            self.plan = plan[:b], plan[b:2 * b], plan[2 * b:]                    # due rows, salt, count [B]
+            self.keep_n = int(self.row_tokens.max())
+            self.holes_after = bool((self.row_tokens < self.keep_n).any())
         self.dense_kv_tokens += q
         self.peak_kv_tokens = max(self.peak_kv_tokens, self.kv_tokens + q)
         if sparse.policy == "blocktopk" and self.decoding:             # pages kept per row, decided here once
             pages = (self.context - 1) // sparse.page_size + 1          # for every layer of this step
             top = torch.as_tensor(self.budget) // sparse.page_size + pages.clamp(max=3)   # + first, 2 newest
-            self.top, self.top_k = top.to(positions.device), int(top.max())
+            self.top, self.top_k = to_device(top, positions.device), int(top.max())
         if self.attended is not None and self.decoding:
             self.attended.append(0.0)
 
@@ -493,8 +502,9 @@ class KVCache(Cache):
         if sparse.policy in ("snapkv", "rkv"):
             layer.remember(query, self.step_pos, sparse.window)
         if self.compressing:
-            salt = self.seed * 1_000_003 + layer_idx * 65_537 + self.context   # [B] host: `random`'s hash input
-            compress(layer, sparse, self.due, self.row_tokens, salt)
+            rows, salt, count = self.plan
+            compress(layer, sparse, rows, salt + layer_idx * 65_537, count, self.keep_n)
+            layer.holes = self.holes_after
         # A decode step over real earlier tokens only sees every slot: no mask to build or apply.
         masked = not self.decoding or layer.holes or sliding_window is not None
         keys, values, key_pos = layer.keys, layer.values, layer.pos

@@ -170,7 +170,7 @@ def test_keep_indices_by_hand():
     inf = float("inf")
     scores = torch.tensor([[-inf, 0.5, 3.0, 0.1, 2.0, inf],
                            [inf, inf, inf, -inf, inf, inf]])[:, None]
-    index, kept = keep_indices(scores, torch.tensor([3, 5]))
+    index, kept = keep_indices(scores, torch.tensor([3, 5]), 5)
     assert index.tolist() == [[[1, 2, 3, 4, 5]], [[0, 1, 2, 4, 5]]]
     assert kept.tolist() == [[[False, True, False, True, True]], [[True] * 5]]
 
