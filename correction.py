@@ -57,7 +57,7 @@ def check_band(low, high):
 
 # ----------------------------------------------------------------------------- re-scoring (section 1)
 
-def response_logprobs(model, rollouts, temperature=1.0, topk=False):
+def response_logprobs(model, rollouts, temperature=1.0, topk=False, **model_kwargs):
     """Log-probs of the response tokens under the full prefix, with grad (pi_theta).
 
     Each row is `prompt + response`, right-padded, with natural positions 0, 1, 2, ...;
@@ -69,7 +69,8 @@ def response_logprobs(model, rollouts, temperature=1.0, topk=False):
 
     temperature 0 means the sampler was greedy: score at temperature 1, as it recorded.
     Returns logp [N, T] (0 where mask is 0); with topk=True also the log-probs at the
-    sampler's `topk_ids`, [N, T, k] (meaningful where mask is 1).
+    sampler's `topk_ids`, [N, T, k] (meaningful where mask is 1). `model_kwargs` reach the
+    model's attention function (distill.py's sparse forward passes its masks this way).
     """
     tokens, mask, prompts = rollouts.tokens, rollouts.mask, rollouts.prompts
     check_shapes(tokens=tokens, mask=mask, logprobs=rollouts.logprobs)
@@ -94,7 +95,7 @@ def response_logprobs(model, rollouts, temperature=1.0, topk=False):
     first = int(lengths.min()) - 1
     positions = torch.arange(L, device=device).expand(N, L)
     out = model(input_ids=ids, attention_mask=attention_mask, position_ids=positions,
-                logits_to_keep=torch.arange(first, L - 1, device=device), use_cache=False)
+                logits_to_keep=torch.arange(first, L - 1, device=device), use_cache=False, **model_kwargs)
     rows = (lengths - 1 - first)[:, None] + torch.arange(T, device=device)         # [N, T]
     logits = out.logits[torch.arange(N, device=device)[:, None], rows].float()      # [N, T, V]
     logp_all = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
@@ -189,8 +190,8 @@ def rejection_mask(log_rho, mask, veto=1e-4, low=0.5, high=1.5, mode="token"):
       mode "geometric": a response whose geometric-mean ratio exp(mean_t log rho_t) lies
                      outside [low, high] keeps no token (use a narrow band, e.g. [0.99, 1.01]).
     The group stays: advantages come from all rewards, before rejection.
-    Returns (new mask [N, T], stats): vetoed (responses), rejected (other responses left with no
-    token), dropped_tokens (real tokens removed for any reason), kept_tokens.
+    Returns (new mask [N, T], stats): vetoed (responses), emptied (other responses the band or the
+    geometric test left with no token), dropped_tokens (real tokens removed for any reason), kept_tokens.
     """
     check_shapes(log_rho=log_rho, mask=mask)
     check_band(low, high)
@@ -208,8 +209,8 @@ def rejection_mask(log_rho, mask, veto=1e-4, low=0.5, high=1.5, mode="token"):
         geo = (clamped.sum(-1) / real.sum(-1).clamp(min=1)).exp()                  # [N]
         keep = real & ((geo >= low) & (geo <= high))[:, None]
     keep &= ~vetoed[:, None]
-    rejected = real.any(-1) & ~keep.any(-1) & ~vetoed
-    stats = dict(vetoed=int(vetoed.sum()), rejected=int(rejected.sum()),
+    emptied = real.any(-1) & ~keep.any(-1) & ~vetoed
+    stats = dict(vetoed=int(vetoed.sum()), emptied=int(emptied.sum()),
                  dropped_tokens=int((real & ~keep).sum()), kept_tokens=int(keep.sum()))
     return keep.to(mask.dtype), stats
 

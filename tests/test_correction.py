@@ -119,7 +119,7 @@ def test_rejection_mask_token_band_and_veto_by_hand():
     mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 0, 0]])
     new_mask, stats = rejection_mask(rho.log(), mask)
     assert new_mask.tolist() == [[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
-    assert stats == dict(vetoed=1, rejected=1, dropped_tokens=2 + 3 + 0 + 2, kept_tokens=4)
+    assert stats == dict(vetoed=1, emptied=1, dropped_tokens=2 + 3 + 0 + 2, kept_tokens=4)
     assert mask.sum() == 11  # the input is not modified
     # the band is closed: rho exactly on either edge stays
     assert rejection_mask(torch.zeros(4, 4), mask, low=1.0, high=2.0)[0].equal(mask)
@@ -134,7 +134,7 @@ def test_rejection_mask_geometric_by_hand():
     mask = torch.tensor([[1.0, 1], [1, 1], [1, 1], [1, 0]])
     new_mask, stats = rejection_mask(rho.log(), mask, low=0.95, high=1.05, mode="geometric")
     assert new_mask.tolist() == [[1, 1], [0, 0], [0, 0], [1, 0]]
-    assert stats == dict(vetoed=1, rejected=1, dropped_tokens=4, kept_tokens=3)
+    assert stats == dict(vetoed=1, emptied=1, dropped_tokens=4, kept_tokens=3)
 
 
 def test_importance_weights_by_hand():
@@ -317,7 +317,7 @@ def test_extreme_log_rho_stays_finite():
     log_rho = torch.full(mask.shape, 1000.0)
     log_rho[::2] = -1000.0
     new_mask, stats = rejection_mask(log_rho, mask)
-    assert new_mask.sum() == 0 and stats["vetoed"] == 2 and stats["rejected"] == 2
+    assert new_mask.sum() == 0 and stats["vetoed"] == 2 and stats["emptied"] == 2
     for mode in ("truncate", "mask"):
         assert torch.isfinite(importance_weights(log_rho, mask, mode=mode)).all()
     stats = mismatch_stats(logp.detach() + log_rho, logp.detach(), mask)
@@ -337,7 +337,7 @@ def test_empty_masks(agg):
     stats = mismatch_stats(logp.detach(), logp.detach() - 1.0, empty, torch.zeros(4, 6, 2), torch.zeros(4, 6, 2))
     assert stats["tokens"] == 0 and all(v == 0 for v in stats.values())
     new_mask, reject_stats = rejection_mask(torch.zeros_like(mask), empty)
-    assert new_mask.sum() == 0 and reject_stats == dict(vetoed=0, rejected=0, dropped_tokens=0, kept_tokens=0)
+    assert new_mask.sum() == 0 and reject_stats == dict(vetoed=0, emptied=0, dropped_tokens=0, kept_tokens=0)
     weights = importance_weights(torch.zeros_like(mask), empty)
     assert weights.eq(0).all()
     loss_stats = assert_zero_loss_and_gradient(logp, logp.detach(), adv, empty, weights, kl_coef=0.1,

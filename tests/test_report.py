@@ -65,7 +65,7 @@ def test_the_tables_hold_the_hand_computed_numbers(runs, tmp_path, capsys):
     comparison, tail, pods = tables(text)
     assert list(comparison) == ["variant", "grpo", "pods", "naive"]          # the order given, not sorted
     assert comparison["variant"] == ["seeds", "dense before RL", "sparse before RL", "dense", "sparse", "peak KV vs dense",
-                                     "rejected tokens", "vetoed", "train time (s)"]
+                                     "dropped tokens", "vetoed", "train time (s)"]
     # grpo: final dense 0.6, 0.8 -> 0.7 ± sqrt(0.02) = 0.141; KV (0.5 + 0.5 + 0.4) / 3 and (0.6 + 0.6 + 0.3) / 3
     # -> 48.3 %; rejected 40/400 and 30/800 -> 6.9 %; vetoed 3 and 1; seconds 2 + 3 + 2 and 3 + 2 + 4 -> 8
     assert comparison["grpo"] == ["2", "0.500 ± 0.000", "0.300 ± 0.000", "0.700 ± 0.141", "0.400 ± 0.141", "48.3%", "6.9%", "2.0", "8"]

@@ -52,16 +52,19 @@ def test_a_run_writes_every_metric_and_a_loadable_checkpoint(tmp_path, warm):
     assert set(final) == {"step", "dense", "sparse"}
 
 
-@pytest.mark.parametrize("online", [[], ["--controller", "0.99", "--bin-size", "4"]], ids=["budget", "controller"])
+@pytest.mark.parametrize("online", [[], ["--controller", "0.99", "--bin-size", "4"], ["--distill", "ppo-kl"]],
+                         ids=["budget", "controller", "distill"])
 def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path, warm, online):
     _, _, straight = run_in(tmp_path / "straight", warm, "--steps", "4", "--save-every", "2", "--eval-every", "2",
                             *online)
     run_in(tmp_path / "split", warm, "--steps", "2", "--save-every", "2", *online)
     _, _, resumed = run_in(tmp_path / "split", warm, "--steps", "4", "--save-every", "2", "--eval-every", "2",
                            "--resume", *online)
-    if online:                   # the controller's budgets are state too: step 3 samples with moved budgets
+    if "--controller" in online:   # the controller's budgets are state too: step 3 samples with moved budgets
         assert straight[2]["budget_by_bin"] != straight[0]["budget_by_bin"]
-    timing = {"rollout_s", "scoring_s", "update_s"}
+    if "--distill" in online:      # and the adapter with its optimizer: step 3 samples with theta + phi
+        assert (tmp_path / "split" / "step-000002" / "adapter.safetensors").is_file()
+    timing = {"rollout_s", "scoring_s", "update_s", "distill_s"}
     strip = lambda lines: [{k: v for k, v in l.items() if k not in timing} for l in lines]
     assert strip(resumed) == strip(straight)                          # steps 1-2 kept, 3-4 recomputed
     evals = lambda name: (tmp_path / name / "eval.jsonl").read_text()
@@ -75,7 +78,7 @@ def test_a_schedule_file_equal_to_the_budget_gives_the_same_run_and_a_tighter_on
     _, _, fixed = run_in(tmp_path / "fixed", warm, *argv)
     _, _, same = run_in(tmp_path / "same", warm, *argv, "--schedule", str(tmp_path / "constant.json"))
     _, _, tight = run_in(tmp_path / "tight", warm, *argv, "--schedule", str(tmp_path / "tight.json"))
-    timing = {"rollout_s", "scoring_s", "update_s"}
+    timing = {"rollout_s", "scoring_s", "update_s", "distill_s"}
     assert [{k: v for k, v in l.items() if k not in timing} for l in same] == \
            [{k: v for k, v in l.items() if k not in timing} for l in fixed]
     for line in fixed + tight:                                        # the per-bin metrics cover every token
@@ -100,7 +103,11 @@ def test_dense_grpo_raises_the_reward(tmp_path, warm):
     (["--model", "no/such.gguf"], "GGUF file 'no/such.gguf' does not exist"),
     (["--gguf-file", "m.gguf"], "--gguf-file 'm.gguf' needs --model"),
     (["--budget", "3", "--window", "2", "--sink", "2"], "budget=3 must be >= window \\+ sink"),
-    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--steps", "-1"], "--steps must be >= 0, got -1"),
+    (["--eval-budgets", "24"], "--eval-policies and --eval-budgets go with --steps 0"),
+    (["--steps", "0", "--eval-budgets", "0"], "budget must be a positive integer, got 0"),
+    (["--distill", "kl", "--policy", "full"], "--distill trains an adapter for a sparse sampler"),
+    (["--lora-rank", "0"], "--lora-rank must be >= 1, got 0"),
     (["--cap", "0"], "--cap must be > 0, got 0.0"),
     (["--band", "1.5", "0.5"], "need 0 <= low < high for the rho band, got low=1.5, high=0.5"),
     (["--lr", "-1"], "--lr must be > 0, got -1.0"),
@@ -293,9 +300,9 @@ def test_save_atomically_replaces_an_existing_folder(tmp_path):
     models.save_atomically(target, lambda tmp: (tmp / "b.txt").write_text("new"))
     assert sorted(p.name for p in target.iterdir()) == ["b.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]     # no temporary folder left behind
-    assert train.checkpoints(tmp_path) == []                         # and none would pass for a checkpoint
+    assert models.checkpoints(tmp_path) == []                         # and none would pass for a checkpoint
     (tmp_path / "step-000004.tmp-ab12").mkdir()
-    assert train.checkpoints(tmp_path) == []
+    assert models.checkpoints(tmp_path) == []
 
 
 def test_a_data_file_smaller_than_the_held_out_split_is_refused(tmp_path):
@@ -303,3 +310,44 @@ def test_a_data_file_smaller_than_the_held_out_split_is_refused(tmp_path):
     data.write_text("".join('{"question": "1+%d?", "answer": "#### %d"}\n' % (i, i + 1) for i in range(10)))
     with pytest.raises(SystemExit, match="leaves 0 training examples after the 256 held out"):
         train.main(["--data", str(data), "--model", str(tmp_path), "--out", str(tmp_path / "run")])
+
+
+def test_steps_0_evaluates_the_warm_up_dense_and_under_each_cache(tmp_path, warm, capsys):
+    if not (tmp_path / "warmup").exists():
+        shutil.copytree(warm, tmp_path / "warmup")
+    _, results = train.main(SMALL + ["--out", str(tmp_path), "--steps", "0", "--eval-policies", "snapkv", "streaming",
+                                     "--eval-budgets", "6", "10"])
+    assert list(results) == ["dense", "snapkv, budget 6", "snapkv, budget 10", "streaming, budget 6",
+                             "streaming, budget 10"]
+    model, tokenizer = models.load_pretrained(str(warm))              # the same numbers, computed directly
+    args = train.parse_args(SMALL)
+    _, held_out = train.load_data(args)
+    expect = train.evaluate(model, tokenizer, held_out, train.reward_fn("sort"),
+                            train.sparse_config(args, "streaming", 6), args)
+    assert results["streaming, budget 6"] == expect
+    assert "| snapkv, budget 10 |" in capsys.readouterr().out
+    assert not (tmp_path / "metrics.jsonl").exists() and not list(tmp_path.glob("step-*"))
+
+
+def test_a_warm_up_made_with_other_settings_is_made_anew(tmp_path, warm, capsys):
+    shutil.copytree(warm, tmp_path / "warmup")
+    args = train.parse_args(SMALL + ["--out", str(tmp_path), "--lr", "1e-3", "--policy", "h2o"])
+    train.load_model(args, torch.device("cpu"), torch.float32)         # RL settings differ: shared
+    assert "making a new warm-up" not in capsys.readouterr().out
+    args = train.parse_args(SMALL + ["--out", str(tmp_path), "--task", "reverse", "--warmup-steps", "2"])
+    model, _ = train.load_model(args, torch.device("cpu"), torch.float32)
+    assert "making a new warm-up" in capsys.readouterr().out
+    made = json.loads((tmp_path / "warmup" / "warmup.json").read_text())
+    assert made["task"] == "reverse" and made["warmup_steps"] == 2
+
+
+def test_help_shows_the_value_each_flag_will_have(capsys):
+    for argv, shown in ([], "(default: 24)"), (["--model", "smollm2-135m"], "(default: 128)"), (["--model", "a/b"], "(default: 512)"):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv + ["--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        text = text[text.index("model and data:"):]                       # the flags' help, not the usage line
+        budget = text[text.index("--budget BUDGET"):text.index("--interval INTERVAL")]
+        assert shown in budget
+        for flag in ("--interval", "--window", "--sink", "--bin-size", "--max-new-tokens", "--lr"):
+            assert "(default: None)" not in text[text.index(flag + " "):][:300].split(" --")[0], flag

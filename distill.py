@@ -1,0 +1,200 @@
+"""DistillSparse: a LoRA adapter that teaches the sparse sampler to agree with the dense policy
+(Sparrow section 5, Algorithm 1; docs/method.md section 6).
+
+One model, two policies. The dense policy is the base weights `theta` with full attention: the
+learner, the re-scoring (pi_old) and the dense evaluation, always with the adapter off. The sparse
+sampler is `theta + phi` with a compressed cache: `phi`, a low-rank adapter on every linear layer
+of the decoder, is on while sampling. Each RL step first updates `theta` as usual (the adapter off,
+and frozen: it is not among the model's parameters), then `phi` on the same rollouts, `theta`
+frozen, with a forward that uses the SAME sparsity the sampler used:
+
+    L_phi = L_PPO,sparse + lambda * KL        (--distill ppo-kl; --distill kl keeps the KL alone)
+
+KL is k3 between the sparse+LoRA log-probs and the dense old log-probs (detached) of the sampled
+tokens, token-mean, lambda 1e-3 (Sparrow's configuration). The sparse training forward is the
+dense forward under a 4D mask that hides, for each response token, what the sampler's cache had
+not kept when it sampled that token (for block top-k: the pages it did not choose): eviction
+equals masking, so with a zero adapter it reproduces the sampler's own log-probs (tested).
+
+    lora = LoRA(model, rank=8)                        # B = 0: the adapter starts as the identity
+    with lora.on():
+        rollouts = generate(model, prompts, sparse, record=True)   # record: what each step saw
+    logp = sparse_logprobs(model, rollouts)           # theta + phi, the sampler's sparsity, with grad
+    loss, stats = distill_loss(logp, rollouts, logp_old, advantages)
+
+The adapter is applied on the fly, by forward hooks on the linear layers, never merged into the
+weights: merging and unmerging in floating point would not give the dense policy back bit for bit.
+It lives beside the model, so `save_pretrained` writes the plain policy; `save` / `load` keep the
+adapter in a safetensors file of its own.
+"""
+import math
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AttentionInterface
+
+import correction as C
+
+LAMBDA = 1e-3       # Sparrow's dense_kl_loss_coef
+ALPHA = 16          # Sparrow's sparse_lora_alpha; the scale of the update is alpha / rank
+LR_SCALE = 5.0      # Sparrow's lr_scale_factor: the adapter learns at 5x the base learning rate
+
+
+class LoRA(nn.Module):
+    """A low-rank adapter phi on every linear layer of the model's decoder (not the output layer).
+
+    Layer W (out x in) gets `W x + (alpha / rank) * B A x`, with A [rank, in] initialised as in
+    PEFT (Kaiming-uniform) and B [out, rank] zero, so the adapter starts as the identity. Off by
+    default: while off, the hooks return nothing and the model computes exactly its plain forward.
+    """
+
+    def __init__(self, model, rank, alpha=ALPHA):
+        super().__init__()
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"the LoRA rank must be a positive integer, got {rank!r}")
+        self.rank, self.scaling, self.active = rank, alpha / rank, False
+        self.A, self.B, self.handles = nn.ParameterDict(), nn.ParameterDict(), []
+        for name, linear in model.get_decoder().named_modules():
+            if isinstance(linear, nn.Linear):
+                key = name.replace(".", "/")                            # "." is not allowed in a key
+                A = torch.empty(rank, linear.in_features, device=linear.weight.device)
+                nn.init.kaiming_uniform_(A, a=math.sqrt(5))
+                self.A[key] = nn.Parameter(A)
+                self.B[key] = nn.Parameter(torch.zeros(linear.out_features, rank, device=linear.weight.device))
+                self.handles.append(linear.register_forward_hook(self.hook(key)))
+
+    def hook(self, key):
+        def add_update(linear, inputs, output):
+            if self.active:                                            # fp32 update, added in the layer's dtype
+                update = inputs[0].float() @ self.A[key].t() @ self.B[key].t() * self.scaling
+                return output + update.to(output.dtype)
+        return add_update
+
+    @contextmanager
+    def on(self):
+        """The sparse sampler: theta + phi for the duration of a block."""
+        self.active = True
+        try:
+            yield self
+        finally:
+            self.active = False
+
+    def save(self, path):
+        save_file({f"{part}.{key}": p.detach().contiguous() for part, params in (("A", self.A), ("B", self.B))
+                   for key, p in params.items()}, str(path))
+
+    def load(self, path):
+        saved = load_file(str(path))
+        with torch.no_grad():
+            for part, params in (("A", self.A), ("B", self.B)):
+                for key, p in params.items():
+                    p.copy_(saved[f"{part}.{key}"])
+
+
+# ----------------------------------------------------------------------------- the sparse training forward
+
+def sparse_masks(rollouts):
+    """Per layer, what each query of the training forward may see: [N, H_kv, L, L] bool, L = max P + T.
+
+    The training forward lays each row out as prompt + response with natural positions (as
+    `correction.response_logprobs` does), so a key's coordinate is its position. A prompt query
+    saw what the prefill saw (causal); the query at coordinate P_i + t - 1 predicted response token
+    t, at the step that fed token t - 1: it sees the positions `rollouts.kept` recorded for that step.
+    """
+    if rollouts.kept is None:
+        raise ValueError("the sparse forward needs what the sampler kept: generate(..., record=True)")
+    N, T = rollouts.tokens.shape
+    L = max(map(len, rollouts.prompts)) + T
+    device = rollouts.kept[0].device
+    lengths = torch.tensor([len(p) for p in rollouts.prompts], device=device)
+    coord = torch.arange(L, device=device)
+    step = (coord[None] - lengths[:, None] + 1).clamp(min=0, max=rollouts.kept[0].shape[0] - 1)   # [N, L]
+    causal = coord[:, None] >= coord[None]                               # [L, L]: key j at or before query i
+    masks = []
+    for kept in rollouts.kept:                                           # [steps, N, H_kv, S]
+        seen = kept[step, torch.arange(N, device=device)[:, None]].transpose(1, 2)   # [N, H_kv, L, S]
+        rows = torch.zeros(*seen.shape[:3], L + 1, dtype=torch.bool, device=device)
+        rows.scatter_(-1, torch.where(seen < 0, L, seen.clamp(max=L)), True)          # column L: "nothing"
+        masks.append((rows[..., :L] & causal) | torch.eye(L, dtype=torch.bool, device=device))
+    return masks
+
+
+def masked_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                             layer_masks=None, sliding_window=None, **kwargs):
+    """transformers attention function "sparse_masked": SDPA under this layer's [N, H_kv, L, L] mask.
+
+    Every query also sees its own key (the sampler always kept it), so no row is all masked:
+    padding rows stay finite and carry no gradient into the loss.
+    """
+    mask = layer_masks[module.layer_idx]
+    if sliding_window is not None:                                       # Mistral: as the sampler's mask
+        coord = torch.arange(mask.shape[-1], device=mask.device)
+        mask = mask & (coord[None] > coord[:, None] - sliding_window)
+    G = query.shape[1] // key.shape[1]
+    out = F.scaled_dot_product_attention(query, key.repeat_interleave(G, 1), value.repeat_interleave(G, 1),
+                                         attn_mask=mask.repeat_interleave(G, 1), scale=scaling)
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register("sparse_masked", masked_attention_forward)
+
+
+def sparse_logprobs(model, rollouts, temperature=1.0):
+    """log-probs [N, T] of the sampled tokens under the model as it is now (theta + phi when the adapter
+    is on), attending to exactly what the sampler's cache let each token see; with grad."""
+    masks = sparse_masks(rollouts)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sparse_masked")
+    try:
+        return C.response_logprobs(model, rollouts, temperature, layer_masks=masks)
+    finally:
+        model.set_attn_implementation(previous)
+
+
+# ----------------------------------------------------------------------------- the adapter's loss and step
+
+def distill_loss(logp, rollouts, logp_old, advantages, variant="ppo-kl", lam=LAMBDA, clip=0.2):
+    """L_phi of Sparrow's Algorithm 1 over the response tokens, token-mean; -> (loss, stats: kl, tokens).
+
+    logp [N, T]: sparse+LoRA log-probs (with grad); logp_old [N, T]: the dense old policy's (detached);
+    advantages [N]. "ppo-kl": the clipped PPO loss of the sparse sampler against the log-probs it
+    sampled with (rollouts.logprobs), plus lam * k3(pi_old dense / pi_sparse+phi); "kl": the KL alone.
+    Every sampled token counts, rejected or not: the tokens where the two policies disagree are
+    the ones to teach.
+    """
+    if variant not in ("ppo-kl", "kl"):
+        raise ValueError(f"the distillation variant must be 'ppo-kl' or 'kl', got {variant!r}")
+    A = advantages if variant == "ppo-kl" else torch.zeros_like(advantages)
+    loss, stats = C.policy_loss(logp, rollouts.logprobs, A, rollouts.mask, clip=clip, kl_coef=lam,
+                                logp_ref=logp_old, agg="token-mean")
+    return loss, dict(kl=stats["kl"], tokens=stats["tokens"])
+
+
+def step(model, lora, opt, rollouts, logp_old, advantages, args):
+    """One AdamW step of the adapter on a step's rollouts, `theta` frozen, `--micro-batch` rows per forward
+    with the gradients accumulated (each part weighted by its share of the tokens); -> metrics."""
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    total = int((rollouts.mask > 0).sum()) or 1
+    loss_sum, kl_sum = 0.0, 0.0
+    try:
+        for rows in torch.arange(len(rollouts), device=logp_old.device).split(args.micro_batch):
+            part = rollouts.select(rows)
+            with lora.on():
+                logp = sparse_logprobs(model, part, args.temperature)
+            loss, stats = distill_loss(logp, part, logp_old[rows], advantages[rows], args.distill,
+                                       args.distill_lambda, args.clip)
+            (loss * stats["tokens"] / total).backward()
+            loss_sum += loss.item() * stats["tokens"] / total
+            kl_sum += stats["kl"] * stats["tokens"] / total
+        torch.nn.utils.clip_grad_norm_(lora.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    return dict(distill_loss=loss_sum, distill_kl=kl_sum)

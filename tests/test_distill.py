@@ -1,0 +1,147 @@
+"""distill.py: the adapter starts as the identity and never touches the dense policy; the sparse training
+forward reproduces the sampler; the loss by hand; each optimizer moves only its own weights."""
+import copy
+import math
+
+import pytest
+import torch
+
+import distill
+import models
+import train
+from correction import dense_logprobs
+from kvcache import SparseConfig
+from reference import tiny_model
+from sampler import generate
+
+PROMPTS = [[5, 9, 3, 7, 1, 12, 33, 8, 2], [4, 17, 6], [21, 22, 23, 24, 25, 26]]
+CONFIGS = {"streaming": SparseConfig("streaming", budget=8, interval=3, window=2, sink=2),
+           "h2o": SparseConfig("h2o", budget=8, interval=3, window=2, sink=2),
+           "snapkv": SparseConfig("snapkv", budget=8, interval=3, window=2, sink=2, kernel=3),
+           "rkv": SparseConfig("rkv", budget=8, interval=3, window=2, sink=2, kernel=3),
+           "random": SparseConfig("random", budget=8, interval=3, window=2, sink=2),
+           "blocktopk": SparseConfig("blocktopk", budget=4, page_size=4, dense_layers=1)}
+
+
+def moved_adapter(model, seed=0):
+    """An adapter whose B is no longer zero, as after some training."""
+    lora = distill.LoRA(model, rank=4)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora.B.values():
+            p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return lora
+
+
+def test_a_zero_adapter_changes_nothing():
+    model = tiny_model("llama")
+    sparse = CONFIGS["snapkv"]
+    plain = generate(model, PROMPTS, sparse, max_new_tokens=20, seed=1)
+    lora = distill.LoRA(model, rank=4)
+    assert len(lora.A) == 2 * 7                                       # q k v o gate up down, in each layer
+    with lora.on():
+        adapted = generate(model, PROMPTS, sparse, max_new_tokens=20, seed=1)
+        dense_on = dense_logprobs(model, adapted)
+    assert torch.equal(plain.tokens, adapted.tokens) and torch.equal(plain.logprobs, adapted.logprobs)
+    assert torch.equal(dense_on, dense_logprobs(model, adapted))
+
+
+def test_the_dense_policy_never_sees_the_adapter(tmp_path):
+    model = tiny_model("qwen3")
+    bare = copy.deepcopy(model)
+    lora = moved_adapter(model)
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, bare(ids).logits)       # attached but off: bit for bit
+        with lora.on():
+            assert not torch.allclose(model(ids).logits, bare(ids).logits)
+    model.save_pretrained(tmp_path)                                    # the policy folder holds no adapter
+    loaded = type(model).from_pretrained(tmp_path)
+    assert set(loaded.state_dict()) == set(bare.state_dict())
+    lora.save(tmp_path / "adapter.safetensors")
+    again = distill.LoRA(loaded, rank=4)
+    again.load(tmp_path / "adapter.safetensors")
+    with torch.no_grad(), lora.on(), again.on():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+@pytest.mark.parametrize("policy", list(CONFIGS))
+def test_the_sparse_training_forward_reproduces_the_sampler(policy):
+    model = tiny_model("llama")
+    lora = moved_adapter(model)
+    with lora.on():
+        out = generate(model, PROMPTS, CONFIGS[policy], max_new_tokens=30, temperature=1.0, seed=3, record=True)
+        logp = distill.sparse_logprobs(model, out)
+    assert (logp - out.logprobs).abs().max() < 1e-4
+    assert logp.requires_grad
+    with torch.no_grad():                                             # and the sparsity matters: dense differs
+        assert (dense_logprobs(model, out) - out.logprobs).abs().max() > 1e-2
+
+
+def test_the_sparse_forward_needs_what_the_sampler_kept():
+    model = tiny_model("llama")
+    out = generate(model, PROMPTS, CONFIGS["snapkv"], max_new_tokens=5)
+    with pytest.raises(ValueError, match="record=True"):
+        distill.sparse_logprobs(model, out)
+
+
+def test_the_distillation_loss_by_hand():
+    # two responses; the second token of row 0 is padding. KL alone: lam * mean over real tokens of k3,
+    # k3 = rho - 1 - log rho with rho = pi_dense_old / pi_sparse+phi
+    from sampler import Rollouts
+    mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    rollouts = Rollouts([[1], [1]], torch.zeros(2, 2, dtype=torch.long), mask, torch.zeros(2, 2),
+                        torch.zeros(2, 2, 1), torch.zeros(2, 2, 1))
+    logp = torch.tensor([[-1.0, -9.0], [-2.0, -0.5]], requires_grad=True)
+    logp_old = torch.tensor([[-1.5, 0.0], [-1.0, -0.5]])
+    loss, stats = distill.distill_loss(logp, rollouts, logp_old, torch.tensor([1.0, -1.0]), "kl", lam=0.5)
+    k3 = lambda d: math.exp(d) - 1 - d                                  # d = log rho
+    assert loss.item() == pytest.approx(0.5 * (k3(-0.5) + k3(1.0) + k3(0.0)) / 3, rel=1e-5)
+    assert stats["kl"] == pytest.approx((k3(-0.5) + k3(1.0) + k3(0.0)) / 3, rel=1e-5)
+    loss.backward()
+    assert logp.grad[0, 1] == 0 and (logp.grad[mask > 0] != 0).sum() == 2   # log rho 0: no KL gradient
+    # with the PPO term: on-policy (r = 1), its gradient is -A / tokens for each real token
+    logp.grad = None
+    rollouts.logprobs = logp.detach().clone()
+    ppo, _ = distill.distill_loss(logp, rollouts, logp_old, torch.tensor([1.0, -1.0]), "ppo-kl", lam=0.0)
+    ppo.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-1 / 3, 0.0], [1 / 3, 1 / 3]]))
+
+
+SMALL = ["--digits", "4", "8", "--warmup-steps", "80", "--max-new-tokens", "10", "--eval-size", "32",
+         "--prompts", "4", "--group-size", "4", "--budget", "10", "--interval", "2", "--window", "2",
+         "--distill", "ppo-kl", "--lora-rank", "4"]
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    out = tmp_path_factory.mktemp("warm")
+    train.load_model(train.parse_args(SMALL + ["--out", str(out)]), torch.device("cpu"), torch.float32)
+    return out / "warmup"
+
+
+def test_theta_and_phi_each_move_only_in_their_own_step(warm, monkeypatch):
+    args = train.parse_args(SMALL)
+    model, tokenizer = models.load_pretrained(str(warm))
+    lora = distill.LoRA(model, args.lora_rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    lora_opt = torch.optim.AdamW(lora.parameters(), lr=1e-3)
+    weights = lambda module: torch.cat([p.detach().flatten().clone() for p in module.parameters()])
+    seen = {}
+    real_update, real_step = train.update, distill.step
+
+    def spy(name, real):
+        def wrapper(*a, **k):
+            before = (weights(model), weights(lora))
+            out = real(*a, **k)
+            seen[name] = [(before[0] - weights(model)).abs().max().item(), (before[1] - weights(lora)).abs().max().item()]
+            return out
+        return wrapper
+    monkeypatch.setattr(train, "update", spy("theta", real_update))
+    monkeypatch.setattr(distill, "step", spy("phi", real_step))
+    line = train.rl_step(model, None, opt, tokenizer, train.make_examples("sort", 4, 5, 4, 8), train.reward_fn("sort"),
+                         train.sparse_config(args), args, 3, lora, lora_opt)
+    assert seen["theta"][0] > 0 and seen["theta"][1] == 0             # the update moves theta only
+    assert seen["phi"][0] == 0 and seen["phi"][1] > 0                 # the adapter's step moves phi only
+    assert {"distill_loss", "distill_kl", "distill_s"} <= set(line)
+    assert all(p.requires_grad for p in model.parameters())           # theta is trainable again afterwards
