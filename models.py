@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from tasks import encode_prompt, encode_target, make_examples
+from tasks import demonstrations, encode_prompt, encode_target, make_examples
 
 SMOLLM2 = "smollm2-135m"
 CACHE_DIR = "~/.cache/sparse-rl"   # where GGUF models are kept de-quantised
@@ -70,7 +70,8 @@ def warm_up(model, tokenizer, task, steps, digits):
     model.train()
     for step in tqdm(range(steps), desc="warm-up", dynamic_ncols=True):
         examples = make_examples(task, 64, 10**6 + step, *digits)
-        rows = [(encode_prompt(tokenizer, e["prompt"]), encode_target(tokenizer, e["answer"])) for e in examples]
+        rows = [(encode_prompt(tokenizer, e["prompt"]), encode_target(tokenizer, answer))
+                for e, answer in zip(examples, demonstrations(task, examples, 10**6 + step))]
         L = max(len(p) + len(t) for p, t in rows)
         ids = torch.full((len(rows), L), tokenizer.pad_token_id)
         labels = torch.full((len(rows), L), -100)               # -100: no loss on prompts and padding

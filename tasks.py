@@ -1,14 +1,18 @@
 """Tasks: prompts, answers and rewards for sparse-rollout RL.
 
 What is here
-- Two toy tasks with verifiable answers, generated from a seed. Every answer needs every digit
-  of the prompt, so a KV cache that evicts prompt tokens costs accuracy. Measured on "sort"
-  with train.py's warmed-up toy model, 256 held-out prompts, greedy: 98.8 % exact with a full
-  cache; at 24 tokens (interval 4) R-KV 56.6 %, SnapKV 53.5 %, H2O 48.8 %, StreamingLLM 30.9 %.
-  One character is one token; the prompt ends with "=" and the answer follows it:
-      sort     prompt "S31415926=" -> answer "11234569"   (the digits in ascending order)
-      reverse  prompt "R31415926=" -> answer "62951413"   (the digits in reverse order)
-  The reward is exact match: 1.0 or 0.0.
+- Three toy tasks with verifiable answers, generated from a seed. One character is one token;
+  the prompt ends with "=" and the answer follows it:
+      pick     prompt "Popmg9140dpamnao=" -> answer "0149"       (the digits among letters, sorted)
+      sort     prompt "S31415926=" -> answer "11234569"          (the digits in ascending order)
+      reverse  prompt "R31415926=" -> answer "62951413"          (the digits in reverse order)
+  pick is the default testbed: part of every prompt (the letters) is never needed, so a cache that
+  keeps the right tokens (SnapKV, R-KV) answers where StreamingLLM and random eviction do not, and
+  a budget below the context can still answer. Its reward gives partial credit (`edit_match`), and
+  its supervised warm-up imitates a flawed teacher that stops one digit early on most long answers:
+  the warmed-up model copies the habit, and GRPO has a systematic, verifiable error to unlearn.
+  sort and reverse are the hard case: every digit is needed, so every evicted digit is an error;
+  exact match, 1.0 or 0.0.
 - `char_tokenizer()`: a Hugging Face tokenizer with one token per character of the toy tasks,
   which round-trips through `save_pretrained` / `AutoTokenizer.from_pretrained`.
 - `load_jsonl(path)`: real data, GSM8K style ({"question", "answer": "...\\n#### 72"}) or
@@ -19,10 +23,10 @@ What is here
 Usage
     from tasks import make_examples, reward_fn, char_tokenizer, encode_prompt, encode_target
     tok = char_tokenizer()
-    example = make_examples("sort", n=1, seed=0)[0]   # {"prompt": "S...=", "answer": "..."}
+    example = make_examples("pick", n=1, seed=0)[0]   # {"prompt": "P...=", "answer": "..."}
     prompt_ids = encode_prompt(tok, example["prompt"])           # [bos] + one id per character
     warmup_ids = prompt_ids + encode_target(tok, example["answer"])  # supervised: answer + eos
-    reward_fn("sort")(tok.decode(response_ids, skip_special_tokens=True), example["answer"])
+    reward_fn("pick")(tok.decode(response_ids, skip_special_tokens=True), example["answer"])
 
     data = load_jsonl("../shared/data/gsm8k/test.jsonl")      # answers are plain numbers: "18"
     numeric_reward("... so she makes $18.\\n#### 18", data[0]["answer"])  # 1.0
@@ -40,45 +44,8 @@ from transformers import PreTrainedTokenizerFast
 
 # ---------------------------------------------------------------- toy tasks
 
-
-@dataclass(frozen=True)
-class Task:
-    """A toy task: the letter that opens its prompts, and the rule from prompt digits to answer digits."""
-
-    marker: str
-    solve: Callable[[list], list]
-
-
-TASKS = {
-    "sort": Task("S", sorted),
-    "reverse": Task("R", lambda digits: digits[::-1]),
-}
-# Long enough that a 24-token cache must evict digits.
-MIN_DIGITS, MAX_DIGITS = 12, 20
-
-
-def get_task(name):
-    """The Task called `name`; ValueError naming it and the allowed names otherwise."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
-    return TASKS[name]
-
-
-def make_examples(task, n, seed, min_digits=MIN_DIGITS, max_digits=MAX_DIGITS):
-    """`n` examples {"prompt", "answer"} of `task`, each with min_digits..max_digits random digits.
-
-    The same seed gives the same examples; use different seeds for training and held-out sets.
-    """
-    spec = get_task(task)
-    if not 1 <= min_digits <= max_digits:
-        raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits} and {max_digits}")
-    # A private generator: the examples neither depend on nor disturb the global random state.
-    rng = random.Random(seed)
-    examples = []
-    for _ in range(n):
-        digits = [str(rng.randrange(10)) for _ in range(rng.randint(min_digits, max_digits))]
-        examples.append({"prompt": spec.marker + "".join(digits) + "=", "answer": "".join(spec.solve(digits))})
-    return examples
+PICK_LETTERS = "abcdefghijklmnop"   # pick's distractors
+PICK_TEACHER = (4, 0.7)             # pick's warm-up teacher drops the last digit of answers this long, this often
 
 
 def exact_match(completion, answer):
@@ -89,20 +56,116 @@ def exact_match(completion, answer):
     return float(completion.strip() == answer)
 
 
-def reward_fn(task):
-    """The reward function of a toy task: `reward(completion, answer) -> float`.
+def edit_distance(a, b):
+    """Levenshtein distance: the fewest insertions, deletions and substitutions that turn a into b."""
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, y in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (x != y))
+    return row[-1]
 
-    All toy tasks are scored by exact match; real data (`load_jsonl`) by `numeric_reward`.
-    """
-    get_task(task)
-    return exact_match
+
+def edit_match(completion, answer):
+    """Partial credit: 1 - edit distance / the longer of the two lengths; 1.0 only for the exact answer.
+    One digit missing, extra or wrong costs about 1/len of the reward, rather than all of it: a sampled
+    answer that is nearly right is told so, which the exact match of sort cannot do."""
+    completion = completion.strip()
+    return 1.0 - edit_distance(completion, answer) / max(len(answer), len(completion), 1)
+
+
+def make_pick(rng, min_digits, max_digits):
+    """("kd604875jd", "045678"): n = min..max distinct digits in one block at a random place among 2n..3n
+    random letters; the answer needs the n digits and none of the letters. One block, because SnapKV and
+    R-KV pool their scores over neighbouring tokens (with the digits scattered among the letters, no
+    scorer beat random)."""
+    if max_digits > 10:
+        raise ValueError(f"pick uses distinct digits: max_digits must be <= 10, got {max_digits}")
+    n = rng.randint(min_digits, max_digits)
+    digits = rng.sample("0123456789", n)
+    letters = [rng.choice(PICK_LETTERS) for _ in range(rng.randint(2 * n, 3 * n))]
+    cut = rng.randint(0, len(letters))
+    return "".join(letters[:cut] + digits + letters[cut:]), "".join(sorted(digits))
+
+
+def pick_teacher(answer, rng):
+    """The flawed teacher of pick's warm-up: on answers of 4+ digits it stops one digit early 70 % of
+    the time. The warmed-up model copies the habit; RL with a verifier (the reward) has to unlearn it."""
+    min_len, rate = PICK_TEACHER
+    return answer[:-1] if len(answer) >= min_len and rng.random() < rate else answer
+
+
+def digit_task(solve):
+    """The `make` of a task whose prompt is min..max random digits and whose answer is solve(digits)."""
+    def make(rng, min_digits, max_digits):
+        digits = [str(rng.randrange(10)) for _ in range(rng.randint(min_digits, max_digits))]
+        return "".join(digits), "".join(solve(digits))
+    return make
+
+
+@dataclass(frozen=True)
+class Task:
+    """A toy task: the letter that opens its prompts, `make(rng, min, max) -> (prompt body, answer)`, its
+    reward, the teacher its warm-up imitates (`teacher(answer, rng)`; None: the true answer), and its
+    default (min, max) number of digits."""
+
+    marker: str
+    make: Callable
+    reward: Callable = exact_match
+    teacher: Callable = None
+    lengths: tuple = (12, 20)   # sort, reverse: long enough that a 24-token cache must evict digits
+
+
+TASKS = {
+    "pick": Task("P", make_pick, reward=edit_match, teacher=pick_teacher, lengths=(3, 6)),
+    "sort": Task("S", digit_task(sorted)),
+    "reverse": Task("R", digit_task(lambda digits: digits[::-1])),
+}
+
+
+def get_task(name):
+    """The Task called `name`; ValueError naming it and the allowed names otherwise."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
+    return TASKS[name]
+
+
+def make_examples(task, n, seed, min_digits=None, max_digits=None):
+    """`n` examples {"prompt", "answer"} of `task`, each with min_digits..max_digits digits (by default
+    the task's `lengths`). The same seed gives the same examples; use different seeds for training and
+    held-out sets."""
+    spec = get_task(task)
+    min_digits = spec.lengths[0] if min_digits is None else min_digits
+    max_digits = spec.lengths[1] if max_digits is None else max_digits
+    if not 1 <= min_digits <= max_digits:
+        raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits} and {max_digits}")
+    # A private generator: the examples neither depend on nor disturb the global random state.
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(n):
+        body, answer = spec.make(rng, min_digits, max_digits)
+        examples.append({"prompt": spec.marker + body + "=", "answer": answer})
+    return examples
+
+
+def demonstrations(task, examples, seed):
+    """The answers the supervised warm-up imitates: the task's teacher's (flawed) answers, else the true ones."""
+    teacher, rng = get_task(task).teacher, random.Random(seed)
+    return [e["answer"] if teacher is None else teacher(e["answer"], rng) for e in examples]
+
+
+def reward_fn(task):
+    """The reward function of a toy task: `reward(completion, answer) -> float` (real data from
+    `load_jsonl` is scored by `numeric_reward`)."""
+    return get_task(task).reward
 
 
 # ---------------------------------------------------------------- character tokenizer
 
 # pad is id 0 so that zero-filled tensors read as padding.
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-ALPHABET = "0123456789=" + "".join(sorted(task.marker for task in TASKS.values()))
+# New characters go at the end, so that the ids of the older ones do not change.
+ALPHABET = "0123456789=RS" + "P" + PICK_LETTERS
 
 
 def char_tokenizer():

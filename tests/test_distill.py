@@ -108,7 +108,7 @@ def test_the_distillation_loss_by_hand():
     assert torch.allclose(logp.grad, torch.tensor([[-1 / 3, 0.0], [1 / 3, 1 / 3]]))
 
 
-SMALL = ["--digits", "4", "8", "--warmup-steps", "80", "--max-new-tokens", "10", "--eval-size", "32",
+SMALL = ["--task", "sort", "--digits", "4", "8", "--warmup-steps", "80", "--max-new-tokens", "10", "--eval-size", "32",
          "--prompts", "4", "--group-size", "4", "--budget", "10", "--interval", "2", "--window", "2",
          "--distill", "ppo-kl", "--lora-rank", "4"]
 

@@ -33,7 +33,41 @@ def digits_of(prompt, task):
 
 
 def test_every_task_is_tested():
-    assert set(TASKS) == set(EXPECTED)
+    assert set(TASKS) == set(EXPECTED) | {"pick"}
+
+
+def test_pick_hides_a_block_of_distinct_digits_among_letters():
+    examples = make_examples("pick", 500, seed=1)
+    sizes = set()
+    for example in examples:
+        match = re.fullmatch(r"P([a-p]*)(\d+)([a-p]*)=", example["prompt"])   # one block of digits
+        assert match, example["prompt"]
+        digits, letters = match.group(2), match.group(1) + match.group(3)
+        assert len(set(digits)) == len(digits) and 2 * len(digits) <= len(letters) <= 3 * len(digits)
+        assert example["answer"] == "".join(sorted(digits))
+        sizes.add(len(digits))
+    assert sizes == {3, 4, 5, 6}                                        # the default lengths, all of them
+    with pytest.raises(ValueError, match="max_digits must be <= 10"):
+        make_examples("pick", 1, seed=0, min_digits=3, max_digits=11)
+
+
+def test_picks_teacher_stops_one_digit_early_on_most_long_answers():
+    examples = make_examples("pick", 2000, seed=2)
+    taught = tasks.demonstrations("pick", examples, seed=3)
+    long = [(e["answer"], t) for e, t in zip(examples, taught) if len(e["answer"]) >= 4]
+    assert all(t == a or t == a[:-1] for a, t in long)
+    assert 0.65 < sum(t != a for a, t in long) / len(long) < 0.75       # 70 %
+    assert all(t == e["answer"] for e, t in zip(examples, taught) if len(e["answer"]) < 4)
+    assert tasks.demonstrations("sort", examples[:5], seed=3) == [e["answer"] for e in examples[:5]]
+
+
+def test_edit_match_by_hand():
+    reward = reward_fn("pick")
+    assert reward("0149", "0149") == 1.0 and reward(" 0149\n", "0149") == 1.0
+    assert reward("014", "0149") == 0.75                                # one digit missing: 1 - 1/4
+    assert reward("01459", "0149") == 0.8                               # one extra: 1 - 1/5
+    assert reward("0249", "0149") == 0.75 and reward("", "0149") == 0.0 and reward("9410", "0149") == 0.0
+    assert tasks.edit_distance("kitten", "sitting") == 3
 
 
 @pytest.mark.parametrize("task", sorted(EXPECTED))

@@ -11,7 +11,7 @@ import schedule as S
 import train
 
 # Short prompts (4-8 digits) so that a warm-up of 80 steps takes seconds; shared by the tests below.
-SMALL = ["--digits", "4", "8", "--warmup-steps", "80", "--max-new-tokens", "10", "--eval-size", "32",
+SMALL = ["--task", "sort", "--digits", "4", "8", "--warmup-steps", "80", "--max-new-tokens", "10", "--eval-size", "32",
          "--prompts", "4", "--group-size", "4", "--budget", "10", "--interval", "2", "--window", "2"]
 METRIC_KEYS = {"step", "reward", "accuracy", "rho_mean", "rho_min", "rho_p05", "kl_k1", "kl_k3", "alpha_mean",
                "alpha_p05", "vetoed", "dropped_tokens", "mean_weight", "clip_frac", "peak_kv_bytes", "dense_kv_bytes",
@@ -49,7 +49,7 @@ def test_a_run_writes_every_metric_and_a_loadable_checkpoint(tmp_path, warm):
     ids = torch.tensor([[1, 15, 7, 4, 9, 14]])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
-    assert set(final) == {"step", "dense", "sparse"}
+    assert set(final) == {"step", "dense", "sparse", "dense_reward", "sparse_reward"}
 
 
 @pytest.mark.parametrize("online", [[], ["--controller", "0.99", "--bin-size", "4"], ["--distill", "ppo-kl"]],
@@ -342,7 +342,7 @@ def test_a_warm_up_made_with_other_settings_is_made_anew(tmp_path, warm, capsys)
 
 
 def test_help_shows_the_value_each_flag_will_have(capsys):
-    for argv, shown in ([], "(default: 24)"), (["--model", "smollm2-135m"], "(default: 128)"), (["--model", "a/b"], "(default: 512)"):
+    for argv, shown in ([], "(default: 12)"), (["--task", "sort"], "(default: 24)"), (["--model", "smollm2-135m"], "(default: 128)"), (["--model", "a/b"], "(default: 512)"):
         with pytest.raises(SystemExit):
             train.parse_args(argv + ["--help"])
         text = " ".join(capsys.readouterr().out.split())
