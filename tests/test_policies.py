@@ -1,0 +1,42 @@
+"""policies.py by hand: the scores ignore padding and holes, and keep_indices keeps what the scores say."""
+import pytest
+import torch
+
+from kvcache import SparseConfig
+from policies import SCORERS, Rows, keep_indices
+
+H, H_KV, D = 4, 2, 8
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "rkv"])
+def test_padding_and_holes_are_no_tokens_neighbours(policy):
+    # one row's slots scored as they are, and again with invalid slots (padding in front, holes left by
+    # eviction in the middle, filled with large random keys) among them: the valid slots' scores agree
+    g = torch.Generator().manual_seed(0)
+    sparse = SparseConfig(policy, budget=8, window=3, sink=2, kernel=5)
+    S, W = 12, sparse.window
+    keys, queries = torch.randn(1, H_KV, S, D, generator=g), torch.randn(1, H, W, D, generator=g)
+    pos = torch.arange(S).expand(1, H_KV, S)
+    query_pos = torch.arange(S - W, S)[None]
+    rows = Rows(keys, pos, torch.zeros(1, H_KV, S), queries, query_pos, D ** -0.5, torch.zeros(1, dtype=torch.long))
+    clean = SCORERS[policy](rows, sparse)
+    slots = [None, None, *range(5), None, None, None, *range(5, S)]       # None: padding or a hole
+    holey = torch.stack([keys[0, :, i] if i is not None else 10 * torch.randn(H_KV, D, generator=g) for i in slots], 1)
+    holey_pos = torch.tensor([-1 if i is None else i for i in slots]).expand(1, H_KV, len(slots))
+    scores = SCORERS[policy](Rows(holey[None], holey_pos, torch.zeros(holey_pos.shape), queries, query_pos,
+                                  D ** -0.5, torch.zeros(1, dtype=torch.long)), sparse)
+    real = holey_pos[0, 0] >= 0
+    before = pos[0, 0] <= S - 1 - W                                    # the window's scores are not used
+    assert torch.allclose(scores[..., real][..., before], clean[..., before], atol=1e-6)
+
+
+def test_keep_indices_by_hand():
+    # row 0 keeps 3 of its 6 slots: the window slot (+inf), then the scores 3.0 and 2.0; padding (-inf) goes.
+    # Row 1 keeps its 5 valid tokens. The buffers stay rectangular (5 slots): row 0's two extra slots are
+    # its next-best evicted tokens, in slot order, marked not kept.
+    inf = float("inf")
+    scores = torch.tensor([[-inf, 0.5, 3.0, 0.1, 2.0, inf],
+                           [inf, inf, inf, -inf, inf, inf]])[:, None]
+    index, kept = keep_indices(scores, torch.tensor([3, 5]), 5)
+    assert index.tolist() == [[[1, 2, 3, 4, 5]], [[0, 1, 2, 4, 5]]]
+    assert kept.tolist() == [[[False, True, False, True, True]], [[True] * 5]]
