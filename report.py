@@ -44,7 +44,7 @@ from kvcache import POLICIES, SparseConfig
 from models import CACHE_DIR, DTYPES, SMOLLM2, last_checkpoint, load_pretrained, pick_device
 from sampler import generate
 from schedule import THRESHOLD
-from tasks import encode_prompt, load_jsonl, numeric_reward, reward_fn
+from tasks import encode_prompt, load_jsonl, make_examples, numeric_reward, reward_fn
 from train import rewards_of
 
 
@@ -75,6 +75,14 @@ def parse_args(argv=None):
     g.add_argument("--robust-budgets", type=int, nargs="+", default=[], metavar="B",
                    help="also evaluate each final model greedily through the run's cache at budget B")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
+    g = commands.add_parser("keeps", help="a picture: which positions of one toy rollout each policy keeps, step by step",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g.add_argument("--model", default="out/warmup", help="a toy model folder with its warmup.json (python train.py)")
+    g.add_argument("--policies", nargs="+", default=["snapkv", "rkv", "h2o", "streaming", "random"],
+                   choices=[p for p in POLICIES if p not in ("full", "blocktopk")])
+    g.add_argument("--budget", type=int, default=None, help="none: train.py's budget for the task")
+    g.add_argument("--example", type=int, default=0, help="which held-out prompt longer than budget + interval")
+    g.add_argument("--out", default="results/keeps.png", help="the PNG (needs matplotlib)")
     return p.parse_args(argv)
 
 
@@ -176,6 +184,8 @@ def comparison_rows(groups, robust=None):
     sparse before RL   the same through the run's training cache: what eviction costs the warm-started model
     dense, sparse      the same after the last step, with a full cache and through the run's training cache
                        (a dense run trains with a full cache, so its two columns agree)
+    dense gain         dense after - dense before, mean ± std over seeds
+    of first's gain    this variant's mean dense gain / the first variant's (Sparse-RL: ~97 % of dense GRPO's)
     sparse @ B         the final model through the run's cache at budget B (`robust`: {variant: [[acc per B] per seed]})
     peak KV vs dense   mean over steps of the rollouts' peak KV bytes / the bytes of a full cache
     dropped tokens     response tokens the rejection dropped / response tokens, over the whole run
@@ -183,10 +193,13 @@ def comparison_rows(groups, robust=None):
     train time (s)     training seconds summed over the run's steps
     """
     rows = []
+    gain = lambda evals: [e[-1]["dense"] - e[0]["dense"] for e in evals]
+    first = np.mean(gain([e for _, e in next(iter(groups.values()))]))
     for variant, runs in groups.items():
         metrics, evals = [m for m, _ in runs], [e for _, e in runs]
         row = [variant, len(runs), pm([e[0]["dense"] for e in evals]), pm([e[0]["sparse"] for e in evals]),
-               pm([e[-1]["dense"] for e in evals]), pm([e[-1]["sparse"] for e in evals])]
+               pm([e[-1]["dense"] for e in evals]), pm([e[-1]["sparse"] for e in evals]), pm(gain(evals)),
+               f"{np.mean(gain(evals)) / first:.0%}" if first else "-"]
         row += [pm(accs) for accs in zip(*robust[variant])] if robust else []
         total = lambda key, ms: sum(m[key] for m in ms)
         row += [f"{np.mean([np.mean([m['peak_kv_bytes'] / m['dense_kv_bytes'] for m in ms]) for ms in metrics]):.1%}",
@@ -250,11 +263,12 @@ def markdown(header, rows):
 
 def report_text(groups, budgets=(), robust=None):
     """The comparison, the tail per length bin and the PODS table, each with its meaning in one line above it."""
-    header = ["variant", "seeds", "dense before RL", "sparse before RL", "dense", "sparse",
-              *[f"sparse @ {b}" for b in budgets],
+    header = ["variant", "seeds", "dense before RL", "sparse before RL", "dense", "sparse", "dense gain",
+              f"of {next(iter(groups))}'s gain", *[f"sparse @ {b}" for b in budgets],
               "peak KV vs dense", "dropped tokens", "vetoed", "train time (s)"]
     text = ["Greedy accuracy on each run's held-out prompts, mean ± std over seeds: with a full cache (dense) and "
-            "through the run's training cache (sparse; full for a dense run), before and after RL"
+            "through the run's training cache (sparse; full for a dense run), before and after RL; the dense gain "
+            "(after - before) and its share of the first variant's"
             + (", or its cache at budget B (sparse @ B)" if budgets else "") + "; mean over seeds of: the rollouts' "
             "peak KV against a full cache, the share of response tokens the rejection dropped, the responses it "
             "vetoed, and the seconds spent sampling, re-scoring and updating.", "",
@@ -361,11 +375,86 @@ def runs(args):
     return report_text(groups, args.robust_budgets, robust)
 
 
+# ----------------------------------------------------------------------------- keeps: a picture of eviction
+
+def kept_fractions(model, tokenizer, prompt, sparse, max_new_tokens):
+    """Greedy rollout of one prompt through `sparse`; -> (kept [steps, L]: the share of (layer, KV head) pairs
+    that held each position at each forward pass, response token ids). Step 0 is the prefill."""
+    out = generate(model, [encode_prompt(tokenizer, prompt)], sparse, max_new_tokens, temperature=0,
+                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, record=True)
+    L = len(encode_prompt(tokenizer, prompt)) + out.tokens.shape[1]
+    held = torch.stack([F.one_hot(k[:, 0].clamp(min=0), L + 1)[..., :L].masked_fill((k[:, 0] < 0)[..., None], 0)
+                        .amax(-2).float() for k in out.kept])        # [layers, steps, H_kv, L]: held or not
+    return held.mean((0, 2)), out.tokens[0, : int(out.mask.sum())].tolist()
+
+
+def keeps(args):
+    """Draw, for one held-out prompt of the warm-up's task, which positions each policy keeps at each step."""
+    made = Path(args.model, "warmup.json")
+    if not made.is_file():
+        raise ValueError(f"no toy warm-up in {args.model!r} (no warmup.json): run `python train.py` first")
+    settings = json.loads(made.read_text())
+    run = train.TOY_TASKS[settings["task"]]
+    budget = args.budget or run["budget"]
+    configs = [SparseConfig(p, budget, run["interval"], run["window"], run["sink"]) for p in args.policies]
+    model, tokenizer = load_pretrained(args.model)
+    examples = make_examples(settings["task"], 256, -1 - settings["seed"], *settings["digits"])  # train's held-out
+    long = [e for e in examples if len(e["prompt"]) + 1 > budget + run["interval"]]
+    if args.example >= len(long):
+        raise ValueError(f"--example {args.example}: only {len(long)} held-out prompts are longer than the budget")
+    example = long[args.example]
+    role = ["prompt"] + ["needed" if c.isdigit() else "distractor" if c.islower() else "prompt" for c in example["prompt"]]
+    panels = []
+    for sparse in configs:
+        kept, tokens = kept_fractions(model, tokenizer, example["prompt"], sparse, run["max_new_tokens"])
+        answer = tokenizer.decode(tokens, skip_special_tokens=True)
+        panels.append((sparse.policy, kept, answer))
+    lines = [f"Prompt {example['prompt']!r}, answer {example['answer']!r}; {settings['task']} warm-up, budget {budget}",
+             "", "| policy | its answer | needed tokens held at the last step | distractors held |", "|---|---|---|---|"]
+    for policy, kept, answer in panels:
+        share = lambda r: kept[-1, :len(role)][torch.tensor([x == r for x in role])].mean().item()
+        lines.append(f"| {policy} | {answer!r} | {share('needed'):.0%} | {share('distractor'):.0%} |")
+    draw_keeps(panels, role, example, budget, args.out)
+    return "\n".join(lines)
+
+
+def draw_keeps(panels, role, example, budget, path):
+    """One panel per policy: x the forward pass (0: prefill), y the position; a dot where a token is held, its
+    colour the token's role and its opacity the share of layers and heads that hold it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return
+    colours = dict(needed="tab:green", distractor="tab:red", prompt="tab:grey", answer="tab:blue")
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.6 * len(panels), 4.2), sharey=True, squeeze=False)
+    for ax, (policy, kept, answer) in zip(axes[0], panels):
+        steps, positions = kept.shape
+        for p in range(positions):
+            r = role[p] if p < len(role) else "answer"
+            alpha = kept[:, p].clamp(0, 1).numpy()
+            ax.scatter(range(steps), [p] * steps, s=14, c=colours[r], alpha=alpha, linewidths=0)
+        ax.set_title(f"{policy}\n-> {answer}", fontsize=9)
+        ax.set_xlabel("forward pass")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    axes[0][0].set_ylabel("position")
+    for r, c in colours.items():
+        axes[0][-1].scatter([], [], c=c, label=r)
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"{example['prompt']} -> {example['answer']} (budget {budget})", fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None):
     args = parse_args(argv)
     start = time.time()
     try:
-        table = inference(args) if args.command == "inference" else runs(args)
+        table = dict(inference=inference, runs=runs, keeps=keeps)[args.command](args)
     except ValueError as error:
         sys.exit(f"error: {error}")
     text = (f"`python report.py {' '.join(sys.argv[1:] if argv is None else argv)}`, "

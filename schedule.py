@@ -13,7 +13,7 @@ What is notable here:
   already measures when it re-scores densely, so its probe costs no extra forward pass.
 - `cost` / `speedup`: the per-step cost model of section 6 (after Kinetics) for any HF config.
 
-    python train.py --steps 0 && python schedule.py --calibrate       # the toy model train.py caches in out/warmup
+    python train.py --steps 0 && python schedule.py --calibrate       # the toy warm-up train.py makes in out/warmup
     python schedule.py --speedup results/schedule.json --context 32768     # Qwen3-1.7B/4B/8B
 """
 import argparse
@@ -330,22 +330,22 @@ def speedup(config, schedule, context, prompt=0, stride=64, **kwargs):
 # ----------------------------------------------------------------------------- command line
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    g = p.add_argument_group("calibrate (Sparrow's offline profiling)")
+    from train import TOY_TASKS                                        # here: train.py imports this module
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("calibrate (Sparrow's offline profiling); the sampler's settings default to "
+                             "those train.py uses for the warm-up's task")
     g.add_argument("--calibrate", action="store_true", help="profile candidate budgets per length bin")
-    g.add_argument("--model", default="out/warmup", help="a Hugging Face folder (python train.py caches its toy model here)")
-    g.add_argument("--task", default="sort", help="toy task of the prompts (tasks.py)")
+    g.add_argument("--model", default="out/warmup", help="a toy warm-up folder (python train.py makes out/warmup); "
+                   "its warmup.json gives the task and digits of the prompts")
     g.add_argument("--prompts", type=int, default=32, help="number of prompts")
     g.add_argument("--policy", default="snapkv", help="the sampler's policy (kvcache.POLICIES)")
-    g.add_argument("--candidates", default="8,12,16,20,24,28,32,40", help="budgets to try, comma-separated")
-    g.add_argument("--bin-size", type=int, default=8, help="tokens per length bin (Sparrow: 2048)")
+    g.add_argument("--candidates", default="6,8,10,12,14,16,20,24,28,32,40", help="budgets to try, comma-separated")
     g.add_argument("--threshold", type=float, default=THRESHOLD, help="tail acceptance to hold")
-    g.add_argument("--interval", type=int, default=4, help="compression interval (toy: 4)")
-    g.add_argument("--window", type=int, default=4, help="recent tokens always kept (toy: 4)")
-    g.add_argument("--sink", type=int, default=2, help="first tokens kept by streaming (toy: 2)")
+    for name in ("bin_size", "interval", "window", "sink", "max_new_tokens"):
+        g.add_argument("--" + name.replace("_", "-"), type=int, help="(none: as train.py for the task)")
     g.add_argument("--page-size", type=int, default=16, help="blocktopk page size")
     g.add_argument("--dense-layers", type=int, default=2, help="blocktopk dense layers")
-    g.add_argument("--max-new-tokens", type=int, default=40, help="response length")
     g.add_argument("--out", default="results/schedule.json", help="where the schedule is written")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
     g = p.add_argument_group("cost model (docs/method.md section 6)")
@@ -356,14 +356,20 @@ def main(argv=None):
     if not (args.calibrate or args.speedup):
         p.error("give --calibrate and/or --speedup SCHEDULE.json")
     if args.calibrate:
-        if not Path(args.model).is_dir():
-            p.error(f"no model folder {args.model!r}: run `python train.py` first (it caches its toy model in "
+        made = Path(args.model, "warmup.json")
+        if not made.is_file():
+            p.error(f"no toy warm-up in {args.model!r} (no warmup.json): run `python train.py` first (it makes "
                     "out/warmup), or pass --model")
+        warmup = json.loads(made.read_text())
+        for name, value in TOY_TASKS[warmup["task"]].items():          # the run's settings where none given
+            if getattr(args, name, 0) is None:
+                setattr(args, name, value)
         try:
             model, tok = load_pretrained(args.model, device=pick_device(args.device))
         except ValueError as error:
             p.error(str(error))
-        prompts = [tasks.encode_prompt(tok, e["prompt"]) for e in tasks.make_examples(args.task, args.prompts, 0, 12, 20)]
+        examples = tasks.make_examples(warmup["task"], args.prompts, 0, *warmup["digits"])
+        prompts = [tasks.encode_prompt(tok, e["prompt"]) for e in examples]
         sparse = SparseConfig(args.policy, interval=args.interval, window=args.window, sink=args.sink,
                               page_size=args.page_size, dense_layers=args.dense_layers,
                               budget=min(int(c) for c in args.candidates.split(",")))

@@ -64,13 +64,17 @@ def test_the_tables_hold_the_hand_computed_numbers(runs, tmp_path, capsys):
     text = capsys.readouterr().out
     comparison, tail, pods = tables(text)
     assert list(comparison) == ["variant", "grpo", "pods", "naive"]          # the order given, not sorted
-    assert comparison["variant"] == ["seeds", "dense before RL", "sparse before RL", "dense", "sparse", "peak KV vs dense",
-                                     "dropped tokens", "vetoed", "train time (s)"]
+    assert comparison["variant"] == ["seeds", "dense before RL", "sparse before RL", "dense", "sparse", "dense gain",
+                                     "of grpo's gain", "peak KV vs dense", "dropped tokens", "vetoed", "train time (s)"]
     # grpo: final dense 0.6, 0.8 -> 0.7 ± sqrt(0.02) = 0.141; KV (0.5 + 0.5 + 0.4) / 3 and (0.6 + 0.6 + 0.3) / 3
-    # -> 48.3 %; rejected 40/400 and 30/800 -> 6.9 %; vetoed 3 and 1; seconds 2 + 3 + 2 and 3 + 2 + 4 -> 8
-    assert comparison["grpo"] == ["2", "0.500 ± 0.000", "0.300 ± 0.000", "0.700 ± 0.141", "0.400 ± 0.141", "48.3%", "6.9%", "2.0", "8"]
-    assert comparison["pods"] == ["2", "0.500 ± 0.000", "0.500 ± 0.000", "0.800 ± 0.141", "0.600 ± 0.141", "100.0%", "0.0%", "0.0", "6"]
-    assert comparison["naive"] == ["1", "0.500 ± 0.000", "0.300 ± 0.000", "0.650 ± 0.000", "0.100 ± 0.000", "25.0%", "5.0%", "0.0", "9"]
+    # -> 48.3 %; rejected 40/400 and 30/800 -> 6.9 %; vetoed 3 and 1; seconds 2 + 3 + 2 and 3 + 2 + 4 -> 8.
+    # Gains: grpo 0.1 and 0.3 (mean 0.2), pods 0.2 and 0.4 (0.3: 150 % of grpo's), naive 0.15 (75 %)
+    assert comparison["grpo"] == ["2", "0.500 ± 0.000", "0.300 ± 0.000", "0.700 ± 0.141", "0.400 ± 0.141",
+                                  "0.200 ± 0.141", "100%", "48.3%", "6.9%", "2.0", "8"]
+    assert comparison["pods"] == ["2", "0.500 ± 0.000", "0.500 ± 0.000", "0.800 ± 0.141", "0.600 ± 0.141",
+                                  "0.300 ± 0.141", "150%", "100.0%", "0.0%", "0.0", "6"]
+    assert comparison["naive"] == ["1", "0.500 ± 0.000", "0.300 ± 0.000", "0.650 ± 0.000", "0.100 ± 0.000",
+                                   "0.150 ± 0.000", "75%", "25.0%", "5.0%", "0.0", "9"]
     # bin 0-15: (1 + .9 + 1 + .8 + 1 + .9) / 6; 16-31: (.8 + .6 + .7 + .5) / 4; 32-47: (.2 + .4) / 2
     assert tail == {"variant": ["0-15", "16-31", "32-47"], "grpo": ["0.933", "0.650", "0.300"],
                     "pods": ["1.000", "-", "-"], "naive": ["0.500", "0.400", "-"]}
@@ -145,5 +149,29 @@ def test_robust_budgets_reproduce_the_runs_own_final_evaluations(tmp_path, capsy
     capsys.readouterr()
     report.main(["runs", str(folder), "--robust-budgets", "10", "64", "--out", str(tmp_path / "r")])
     comparison = tables(capsys.readouterr().out)[0]
-    assert comparison["variant"][5:7] == ["sparse @ 10", "sparse @ 64"]
-    assert comparison["tiny"][5:7] == [f"{final['sparse']:.3f} ± 0.000", f"{final['dense']:.3f} ± 0.000"]
+    assert comparison["variant"][7:9] == ["sparse @ 10", "sparse @ 64"]
+    assert comparison["tiny"][7:9] == [f"{final['sparse']:.3f} ± 0.000", f"{final['dense']:.3f} ± 0.000"]
+
+
+def test_keeps_counts_the_layers_and_heads_that_hold_each_position(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    folder = tmp_path / "run"
+    train.main(SMALL + ["--steps", "0", "--out", str(folder)])          # makes the small sort warm-up
+    model, tokenizer = report.load_pretrained(str(folder / "warmup"))
+    sparse = SparseConfig("snapkv", 10, 2, 2, 2)
+    prompt = "S" + "31415926" + "="
+    kept, tokens = report.kept_fractions(model, tokenizer, prompt, sparse, 10)
+    # the same from the cache's own history, by hand: a position counts where a (layer, head) holds it
+    out = report.generate(model, [report.encode_prompt(tokenizer, prompt)], sparse, 10, temperature=0,
+                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, record=True)
+    history = out.stats["cache"].history
+    for step in range(kept.shape[0]):
+        for position in range(kept.shape[1]):
+            held = [position in layer[step][0, h].tolist() for layer in history for h in range(layer[step].shape[1])]
+            assert kept[step, position].item() == pytest.approx(sum(held) / len(held))
+    assert kept[-1, -3:].tolist() == [1.0, 1.0, 0.0]    # the window held; the last token is sampled, never fed
+    assert (kept[1:] < 1).any()                                          # and something was evicted
+    report.main(["keeps", "--model", str(folder / "warmup"), "--policies", "snapkv", "streaming", "--budget", "6",
+                 "--out", str(tmp_path / "keeps.png")])
+    assert (tmp_path / "keeps.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| streaming |" in capsys.readouterr().out
