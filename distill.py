@@ -86,6 +86,14 @@ class LoRA(nn.Module):
         save_file({f"{part}.{key}": p.detach().contiguous() for part, params in (("A", self.A), ("B", self.B))
                    for key, p in params.items()}, str(path))
 
+    @staticmethod
+    def from_file(model, path):
+        """The adapter saved at `path` (its rank read from the file), attached to `model`."""
+        saved = load_file(str(path))
+        lora = LoRA(model, rank=next(v.shape[0] for k, v in saved.items() if k.startswith("A.")))
+        lora.load(path)
+        return lora
+
     def load(self, path):
         saved = load_file(str(path))
         with torch.no_grad():

@@ -31,6 +31,7 @@ import os
 import re
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import correction as C
+import distill
 import train
 from kvcache import POLICIES, SparseConfig
 from models import CACHE_DIR, DTYPES, SMOLLM2, last_checkpoint, load_pretrained, pick_device
@@ -66,6 +68,8 @@ def parse_args(argv=None):
     g.add_argument("--window", type=int, default=8, help="recent tokens always kept")
     g.add_argument("--sink", type=int, default=4, help="first tokens kept by streaming")
     g.add_argument("--batch-size", type=int, default=25, help="questions decoded together")
+    g.add_argument("--adapter", metavar="FILE", help="a DistillSparse adapter.safetensors: the sparse rows sample "
+                   "with theta + phi (the dense row and the dense side of alpha stay theta)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
     g.add_argument("--dtype", default="float32", choices=list(DTYPES))
     g = commands.add_parser("runs", help="compare train.py runs: accuracy, KV memory, rejection, time, tail, PODS")
@@ -91,14 +95,16 @@ def pad_to(t, T):
     return F.pad(t, (0, 0) * (t.dim() - 2) + (0, T - t.shape[1]))
 
 
-def run_inference(model, tokenizer, examples, sparse, max_new_tokens, batch_size):
-    """Greedy answers to `examples` through `sparse`; -> dict of accuracy, peak_kv_bytes (summed over
-    batches), alpha_mean, alpha_p05, tokens, seconds."""
+def run_inference(model, tokenizer, examples, sparse, max_new_tokens, batch_size, adapter=None):
+    """Greedy answers to `examples` through `sparse` (by theta + phi with a DistillSparse `adapter`, when the
+    cache is sparse); -> dict of accuracy, peak_kv_bytes (summed over batches), alpha_mean, alpha_p05,
+    tokens, seconds. The dense side of alpha is always theta alone."""
     start, rewards, peak, parts = time.perf_counter(), [], 0, []
     for first in range(0, len(examples), batch_size):
         batch = examples[first: first + batch_size]
-        out = generate(model, [encode_prompt(tokenizer, e["prompt"]) for e in batch], sparse, max_new_tokens,
-                       temperature=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        with adapter.on() if adapter and sparse.policy != "full" else nullcontext():
+            out = generate(model, [encode_prompt(tokenizer, e["prompt"]) for e in batch], sparse, max_new_tokens,
+                           temperature=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         rewards.append(rewards_of(out, batch, tokenizer, numeric_reward))
         peak += out.stats["peak_kv_bytes"]
         # greedy: the sampler recorded log-probs at temperature 1, so the dense pass uses 1 too
@@ -119,9 +125,11 @@ def inference(args):
     examples = load_jsonl(args.data)[: args.limit]
     device = pick_device(args.device)
     model, tokenizer = load_pretrained(args.model, args.gguf_file, args.cache_dir, device, DTYPES[args.dtype])
+    adapter = distill.LoRA.from_file(model, args.adapter) if args.adapter else None
     rows = []
     for sparse in tqdm(configs, desc="configurations", dynamic_ncols=True):
-        rows.append((sparse, run_inference(model, tokenizer, examples, sparse, args.max_new_tokens, args.batch_size)))
+        rows.append((sparse, run_inference(model, tokenizer, examples, sparse, args.max_new_tokens, args.batch_size,
+                                           adapter)))
     dense = rows[0][1]
     lines = [f"{len(examples)} questions of {args.data}, greedy, {args.max_new_tokens} new tokens, "
              f"interval {args.interval}, window {args.window}, sink {args.sink}; peak KV summed over batches of "

@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# The comparison runs behind README "Results" (docs/method.md sections 4-7), then their report.
+# The comparison runs behind README "Results" and "DistillSparse" (docs/method.md sections 4-7), then their reports.
 #
-#   bash reproduce.sh                   # every experiment, then report.py
-#   bash reproduce.sh corrections       # one experiment (corrections | schedule | pods), or: report
-#                                       # (report reads every experiment's runs: run all three first)
+#   bash reproduce.sh                   # every experiment, then the reports
+#   bash reproduce.sh corrections       # one experiment: corrections | policies | schedule | pods | distill | sort,
+#                                       # or: report (reads every experiment's runs: run them first)
 #
-# Each run is one `python train.py` with the options below, in results/runs/<variant>-s<seed>, its
-# output in results/runs/<variant>-s<seed>.log. A run whose eval.jsonl already ends at the last step
-# is skipped, so an interrupted reproduce.sh picks up where it stopped (an unfinished run starts over).
-# One thread per run makes the numbers repeatable (thread count changes float sums, hence samples)
-# and lets two runs share a 2-core machine: `queue` keeps two running at a time.
-# Size: 21 runs of 200 steps (PODS samples twice the rollouts), 3 calibrations (8 s each), the report
-# (about a second per final model): 38.6 minutes on a 2-core CPU while a third job shared it.
+# Each run is one `python train.py` with the options below, in results/runs/<variant>-s<seed>, its output in
+# results/runs/<variant>-s<seed>.log. A run whose eval.jsonl already ends at the last step is skipped, so an
+# interrupted reproduce.sh picks up where it stopped (an unfinished run starts over). One thread per run makes
+# the numbers repeatable (the thread count changes float sums, hence samples) and lets two runs share a
+# 2-core machine: `queue` keeps two running at a time. Every run of a task and seed starts from the same
+# warm-up and trains on the same prompts.
 set -euo pipefail
 cd "$(dirname "$0")"
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT                     # a failed run stops its sibling too
@@ -19,22 +18,22 @@ export OMP_NUM_THREADS=1
 OUT=results/runs
 SEEDS="0 1 2"
 STEPS=200
-# A 150-step warm-up leaves the toy model room to lose and to gain (greedy dense accuracy 0.53-0.88
-# over the seeds); SnapKV at 24 tokens costs it about half of that, so the correction has work to do.
-# Every run of a seed starts from the same warm-up and trains on the same prompts.
-COMMON="--warmup-steps 150 --lr 5e-5 --steps $STEPS --eval-every 50 --save-every $STEPS"
+COMMON="--steps $STEPS --eval-every 25 --save-every $STEPS"          # pick: train.py's defaults otherwise
+# sort, the hard case: a 150-step warm-up (instead of 400) leaves room to lose and to gain; lr 5e-5
+SORT="--task sort --warmup-steps 150 --lr 5e-5"
 mkdir -p "$OUT"
 
 finished() {   # finished DIR: its eval.jsonl ends with the evaluation after the last step
     [ -f "$1/eval.jsonl" ] && [[ "$(tail -n 1 "$1/eval.jsonl")" == *"\"step\": $STEPS,"* ]]
 }
 
-run() {   # run NAME SEED [train.py options...]: one training run, its warm-up shared within a seed
+run() {   # run NAME SEED [train.py options...]: one training run, its warm-up shared within a task and seed
     local name=$1 seed=$2; shift 2
-    local dir="$OUT/$name-s$seed" warm="$OUT/warmup-s$seed"
+    local task=pick; [[ $name == sort-* ]] && task=sort
+    local dir="$OUT/$name-s$seed" warm="$OUT/warmup-$task-s$seed"
     if ! finished "$dir"; then
         rm -f "$dir/metrics.jsonl" "$dir/eval.jsonl"                # an unfinished run starts over
-        if [ -d "$warm" ] && [ ! -d "$dir/warmup" ]; then         # train.py reuses <out>/warmup
+        if [ -d "$warm" ] && [ ! -d "$dir/warmup" ]; then         # train.py reuses <out>/warmup (same settings)
             mkdir -p "$dir" && cp -r "$warm" "$dir/warmup"
         fi
         echo "$(date +%T) $name seed $seed: python train.py $COMMON --seed $seed --out $dir $*"
@@ -55,22 +54,30 @@ queue() {   # queue "NAME SEED [options]" ...: those runs in order, two at a tim
     while [ -n "$(jobs -rp)" ]; do wait -n; done
 }
 
-corrections() {   # experiments 1 and 2: dense GRPO, naive sparse, TIS only, Sparse-RL (SnapKV, budget 24)
+corrections() {   # dense GRPO, naive sparse, TIS only, Sparse-RL (SnapKV, budget 12); dense makes the warm-ups
     local todo=() seed
-    for seed in $SEEDS; do todo+=("dense $seed --policy full"); done      # first: they make the warm-ups
+    for seed in $SEEDS; do todo+=("dense $seed --policy full"); done
     for seed in $SEEDS; do
         todo+=("naive $seed --correction none" "tis $seed --correction tis" "sparse-rl $seed")
     done
     queue "${todo[@]}"
 }
 
-schedule() {   # experiment 3: Sparse-RL under Sparrow's schedule, calibrated on the seed's warm-up (toy defaults)
+policies() {   # Sparse-RL with each eviction policy at budget 12 (SnapKV is corrections' sparse-rl)
+    local todo=() seed policy
+    for seed in $SEEDS; do
+        for policy in rkv h2o streaming random; do todo+=("policy-$policy $seed --policy $policy"); done
+    done
+    queue "${todo[@]}"
+}
+
+schedule() {   # Sparse-RL under Sparrow's schedule, calibrated on the seed's warm-up
     local todo=() seed
     for seed in $SEEDS; do
-        [ -d "$OUT/warmup-s$seed" ] || queue "dense $seed --policy full"  # the seed's warm-up comes with it
+        [ -d "$OUT/warmup-pick-s$seed" ] || queue "dense $seed --policy full"   # the seed's warm-up comes with it
         if [ ! -f "$OUT/schedule-s$seed.json" ]; then
-            echo "$(date +%T) python schedule.py --calibrate --model $OUT/warmup-s$seed --out $OUT/schedule-s$seed.json"
-            python schedule.py --calibrate --model "$OUT/warmup-s$seed" --out "$OUT/schedule-s$seed.json" \
+            echo "$(date +%T) python schedule.py --calibrate --model $OUT/warmup-pick-s$seed --out $OUT/schedule-s$seed.json"
+            python schedule.py --calibrate --model "$OUT/warmup-pick-s$seed" --out "$OUT/schedule-s$seed.json" \
                 > "$OUT/calibrate-s$seed.log" 2>&1
         fi
         todo+=("schedule $seed --schedule $OUT/schedule-s$seed.json")
@@ -78,27 +85,55 @@ schedule() {   # experiment 3: Sparse-RL under Sparrow's schedule, calibrated on
     queue "${todo[@]}"
 }
 
-pods() {   # experiment 4: PODS n = 16 -> m = 8 against plain GRPO with 8; 64 trained rollouts per step
+pods() {   # PODS n = 16 -> m = 8 against plain GRPO with 8 (corrections' dense runs): 64 trained rollouts a step
     local todo=() seed
+    for seed in $SEEDS; do todo+=("pods16to8 $seed --policy full --group-size 16 --keep 8"); done
+    queue "${todo[@]}"
+}
+
+distill() {   # DistillSparse on top of Sparse-RL at budget 12, where the tail is far below 0.86; then the budgets
+    local todo=() seed          # that hold 0.86 with the final policy, its adapter off and on
+    for seed in $SEEDS; do todo+=("distill $seed --distill ppo-kl"); done
+    queue "${todo[@]}"
     for seed in $SEEDS; do
-        todo+=("grpo8 $seed --policy full --eval-every 25"
-               "pods16to8 $seed --policy full --eval-every 25 --group-size 16 --keep 8")
+        local ckpt="$OUT/distill-s$seed/step-$(printf %06d $STEPS)"
+        for side in off on; do
+            [ -f "$OUT/distill-s$seed-$side.json" ] && continue
+            echo "$(date +%T) python schedule.py --calibrate --model $ckpt (adapter $side)"
+            python schedule.py --calibrate --model "$ckpt" --out "$OUT/distill-s$seed-$side.json" \
+                $([ $side = on ] && echo --adapter "$ckpt/adapter.safetensors") > "$OUT/calibrate-distill-s$seed-$side.log" 2>&1
+        done
+    done
+}
+
+hard_case() {   # sort, the hard case, every token load-bearing: the corrections on sort (budget 24)
+    local todo=() seed
+    for seed in $SEEDS; do todo+=("sort-dense $seed $SORT --policy full"); done
+    for seed in $SEEDS; do
+        todo+=("sort-naive $seed $SORT --correction none" "sort-tis $seed $SORT --correction tis"
+               "sort-sparse-rl $seed $SORT")
     done
     queue "${todo[@]}"
 }
 
-report() {   # results/corrections.md and results/pods.md, each with its PNGs (results/<name>_*.png)
+report() {   # results/<experiment>.md with PNGs (results/<experiment>_*.png), and results/keeps.png
     python -c "import matplotlib" 2>/dev/null || echo "no matplotlib, so no PNGs: pip install matplotlib" >&2
-    python report.py runs "$OUT"/{dense,naive,tis,sparse-rl,schedule}-s? --robust-budgets 24 20 \
+    python report.py runs "$OUT"/{dense,naive,tis,sparse-rl,schedule,distill}-s? --robust-budgets 12 10 \
         --out results/corrections
-    python report.py runs "$OUT"/{grpo8,pods16to8}-s? --out results/pods
+    python report.py runs "$OUT"/{sparse-rl,policy-rkv,policy-h2o,policy-streaming,policy-random}-s? --out results/policies
+    python report.py runs "$OUT"/{dense,pods16to8}-s? --out results/pods
+    python report.py runs "$OUT"/sort-{dense,naive,tis,sparse-rl}-s? --robust-budgets 24 20 --out results/sort
+    python report.py keeps --model "$OUT/warmup-pick-s0" --out results/keeps.png > results/keeps.md
+    grep -h "smallest constant budget" "$OUT"/calibrate-distill-s?-{off,on}.log "$OUT"/calibrate-s?.log \
+        > results/distill_budgets.txt || true
 }
 
-for experiment in "${@:-corrections schedule pods report}"; do
+for experiment in "${@:-corrections policies schedule pods distill sort report}"; do
     for step in $experiment; do
         case $step in
-            corrections|schedule|pods|report) "$step" ;;
-            *) echo "unknown step '$step': corrections, schedule, pods or report" >&2; exit 2 ;;
+            corrections|policies|schedule|pods|distill|report) "$step" ;;
+            sort) hard_case ;;
+            *) echo "unknown step '$step': corrections, policies, schedule, pods, distill, sort or report" >&2; exit 2 ;;
         esac
     done
 done

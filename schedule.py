@@ -19,11 +19,13 @@ What is notable here:
 import argparse
 import json
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+import distill
 import tasks
 from correction import acceptance, dense_logprobs  # acceptance: alpha = sum_v min(p_a, p_b) (section 4)
 from kvcache import DENSE, SparseConfig
@@ -118,14 +120,17 @@ def tail_by_bin(alpha, positions, bin_size, q=0.05):
     return tails, counts
 
 
-def measure(model, prompts, sparse, max_new_tokens, temperature=1.0, eos_token_id=None, pad_token_id=0, seed=0):
+def measure(model, prompts, sparse, max_new_tokens, temperature=1.0, eos_token_id=None, pad_token_id=0, seed=0,
+            adapter=None):
     """Sample with `sparse`, re-score densely -> (alpha [N, T], positions [N, T], -1 off the responses).
 
     The acceptance sums over the sampler's top-k ids, k = min(vocabulary, 64): exact on small
-    vocabularies, a lower bound on large ones (section 4).
+    vocabularies, a lower bound on large ones (section 4). With a DistillSparse `adapter`, the
+    sampler is theta + phi; the dense policy is always theta alone.
     """
-    out = generate(model, prompts, sparse, max_new_tokens, temperature, eos_token_id=eos_token_id,
-                   pad_token_id=pad_token_id, seed=seed, logprobs_topk=min(model.config.vocab_size, 64))
+    with adapter.on() if adapter else nullcontext():
+        out = generate(model, prompts, sparse, max_new_tokens, temperature, eos_token_id=eos_token_id,
+                       pad_token_id=pad_token_id, seed=seed, logprobs_topk=min(model.config.vocab_size, 64))
     _, topk_dense = dense_logprobs(model, out, topk=True, temperature=temperature)
     return acceptance(topk_dense, out.topk_logprobs), token_contexts(out)
 
@@ -166,7 +171,7 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
     and any bin still below the threshold moves to its next candidate, until every bin passes.
     Returns (Schedule, rows): one row per bin {bins, budget, tail, tokens} of the final measurement,
     plus `profile`: the tail the bin had at each candidate budget held constant (nan: no token).
-    `sampling`: temperature, eos_token_id, pad_token_id, seed (as `sampler.generate`).
+    `sampling`: temperature, eos_token_id, pad_token_id, seed (as `sampler.generate`), adapter (`measure`).
     """
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
@@ -336,8 +341,9 @@ def main(argv=None):
     g = p.add_argument_group("calibrate (Sparrow's offline profiling); the sampler's settings default to "
                              "those train.py uses for the warm-up's task")
     g.add_argument("--calibrate", action="store_true", help="profile candidate budgets per length bin")
-    g.add_argument("--model", default="out/warmup", help="a toy warm-up folder (python train.py makes out/warmup); "
-                   "its warmup.json gives the task and digits of the prompts")
+    g.add_argument("--model", default="out/warmup", help="a toy warm-up folder (python train.py makes out/warmup) or "
+                   "checkpoint; its warmup.json or args.json gives the task and digits of the prompts")
+    g.add_argument("--adapter", metavar="FILE", help="a DistillSparse adapter.safetensors: sample with theta + phi")
     g.add_argument("--prompts", type=int, default=32, help="number of prompts")
     g.add_argument("--policy", default="snapkv", help="the sampler's policy (kvcache.POLICIES)")
     g.add_argument("--candidates", default="6,8,10,12,14,16,20,24,28,32,40", help="budgets to try, comma-separated")
@@ -356,11 +362,11 @@ def main(argv=None):
     if not (args.calibrate or args.speedup):
         p.error("give --calibrate and/or --speedup SCHEDULE.json")
     if args.calibrate:
-        made = Path(args.model, "warmup.json")
-        if not made.is_file():
-            p.error(f"no toy warm-up in {args.model!r} (no warmup.json): run `python train.py` first (it makes "
-                    "out/warmup), or pass --model")
-        warmup = json.loads(made.read_text())
+        made = [f for f in (Path(args.model, "warmup.json"), Path(args.model, "args.json")) if f.is_file()]
+        if not made:
+            p.error(f"no toy warm-up or checkpoint in {args.model!r} (no warmup.json, no args.json): run "
+                    "`python train.py` first (it makes out/warmup), or pass --model")
+        warmup = json.loads(made[0].read_text())
         for name, value in TOY_TASKS[warmup["task"]].items():          # the run's settings where none given
             if getattr(args, name, 0) is None:
                 setattr(args, name, value)
@@ -368,6 +374,7 @@ def main(argv=None):
             model, tok = load_pretrained(args.model, device=pick_device(args.device))
         except ValueError as error:
             p.error(str(error))
+        adapter = distill.LoRA.from_file(model, args.adapter) if args.adapter else None
         examples = tasks.make_examples(warmup["task"], args.prompts, 0, *warmup["digits"])
         prompts = [tasks.encode_prompt(tok, e["prompt"]) for e in examples]
         sparse = SparseConfig(args.policy, interval=args.interval, window=args.window, sink=args.sink,
@@ -375,7 +382,7 @@ def main(argv=None):
                               budget=min(int(c) for c in args.candidates.split(",")))
         schedule, rows = calibrate(model, prompts, [int(c) for c in args.candidates.split(",")], args.threshold,
                                    args.bin_size, sparse, args.max_new_tokens, eos_token_id=tok.eos_token_id,
-                                   pad_token_id=tok.pad_token_id or 0)
+                                   pad_token_id=tok.pad_token_id or 0, adapter=adapter)
         candidates = sorted(set(int(c) for c in args.candidates.split(",")))
         print(f"Tail alpha (p05) per context bin at each constant candidate budget ({args.policy}), then the "
               f"chosen budget (the smallest holding {args.threshold}, non-decreasing) and the tail re-measured "
@@ -386,6 +393,8 @@ def main(argv=None):
         for r in rows:
             print(f"| {r['bins'][0]}-{r['bins'][1] - 1} | " + " | ".join(map(cell, r["profile"])) +
                   f" | {r['budget'] or 'dense'} | {cell(r['tail']) if r['tokens'] else '-'} | {r['tokens']} |")
+        holds = [c for k, c in enumerate(candidates) if all(not r["profile"][k] < args.threshold for r in rows)]
+        print(f"the smallest constant budget holding {args.threshold} in every bin: {holds[0] if holds else 'none'}")
         schedule.save(args.out)
         print(f"wrote {args.out}")
     if args.speedup:
