@@ -5,11 +5,11 @@
 
 `inference`: what eviction costs one model at inference time. The first --limit questions of a JSONL
 file are answered greedily (256 new tokens by default) with a full cache, then under each
-(policy, budget); each row gives the accuracy (`tasks.numeric_reward`), the peak KV bytes against
-the dense run's, and the acceptance alpha = sum_v min(p_dense, p_sparse) over the sampler's top-k
-tokens (section 4: its mean, and its 5th percentile over all response tokens, the tail statistic
-that stayed >= 0.86 in stable training runs). The dense side is one teacher-forced pass over each
-greedy response (`correction.dense_logprobs`), exactly the pi_old of a training step.
+(policy, budget), one `evaluate.run_inference` each; a row gives the accuracy (`tasks.numeric_reward`),
+the peak KV bytes against the dense run's, and the acceptance alpha = sum_v min(p_dense, p_sparse) over
+the sampler's top-k tokens (section 4: its mean, and its 5th percentile over all response tokens, the
+tail statistic that stayed >= 0.86 in stable training runs). The dense side is one teacher-forced pass
+over each greedy response (`correction.dense_logprobs`), exactly the pi_old of a training step.
 Progress goes to stderr, the table to stdout.
 
     python report.py runs results/runs/{dense,naive,tis,sparse-rl,schedule}-s? --robust-budgets 24 20 \\
@@ -31,7 +31,6 @@ import os
 import re
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -39,15 +38,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import correction as C
 import distill
 import train
+from evaluate import accuracy, eval_rewards, run_inference, run_reward
 from kvcache import POLICIES, SparseConfig
 from models import CACHE_DIR, DTYPES, SMOLLM2, last_checkpoint, load_pretrained, pick_device
 from sampler import generate
 from schedule import THRESHOLD
-from tasks import encode_prompt, load_jsonl, make_examples, numeric_reward, reward_fn
-from train import rewards_of
+from tasks import encode_prompt, load_jsonl, make_examples, numeric_reward
 
 
 def parse_args(argv=None):
@@ -90,31 +88,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def pad_to(t, T):
-    """[N, t, ...] -> [N, T, ...], zeros after column t (a zero mask hides them)."""
-    return F.pad(t, (0, 0) * (t.dim() - 2) + (0, T - t.shape[1]))
-
-
-def run_inference(model, tokenizer, examples, sparse, max_new_tokens, batch_size, adapter=None):
-    """Greedy answers to `examples` through `sparse` (by theta + phi with a DistillSparse `adapter`, when the
-    cache is sparse); -> dict of accuracy, peak_kv_bytes (summed over batches), alpha_mean, alpha_p05,
-    tokens, seconds. The dense side of alpha is always theta alone."""
-    start, rewards, peak, parts = time.perf_counter(), [], 0, []
-    for first in range(0, len(examples), batch_size):
-        batch = examples[first: first + batch_size]
-        with adapter.on() if adapter and sparse.policy != "full" else nullcontext():
-            out = generate(model, [encode_prompt(tokenizer, e["prompt"]) for e in batch], sparse, max_new_tokens,
-                           temperature=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        rewards.append(rewards_of(out, batch, tokenizer, numeric_reward))
-        peak += out.stats["peak_kv_bytes"]
-        # greedy: the sampler recorded log-probs at temperature 1, so the dense pass uses 1 too
-        logp_dense, topk_dense = C.dense_logprobs(model, out, batch_size=4, topk=True)
-        parts.append([logp_dense, out.logprobs, out.mask, topk_dense, out.topk_logprobs])
-    stats = C.mismatch_stats(*[torch.cat([pad_to(t, max_new_tokens) for t in column]) for column in zip(*parts)])
-    return dict(accuracy=torch.cat(rewards).mean().item(), peak_kv_bytes=peak, alpha_mean=stats["alpha_mean"],
-                alpha_p05=stats["alpha_p05"], tokens=stats["tokens"], seconds=time.perf_counter() - start)
-
-
 def inference(args):
     """Check everything, load the model, run dense and each (policy, budget); -> the markdown table."""
     for name in ("limit", "max_new_tokens", "interval", "batch_size"):
@@ -128,8 +101,8 @@ def inference(args):
     adapter = distill.LoRA.from_file(model, args.adapter) if args.adapter else None
     rows = []
     for sparse in tqdm(configs, desc="configurations", dynamic_ncols=True):
-        rows.append((sparse, run_inference(model, tokenizer, examples, sparse, args.max_new_tokens, args.batch_size,
-                                           adapter)))
+        rows.append((sparse, run_inference(model, tokenizer, examples, numeric_reward, sparse, args.max_new_tokens,
+                                           args.batch_size, adapter)))
     dense = rows[0][1]
     lines = [f"{len(examples)} questions of {args.data}, greedy, {args.max_new_tokens} new tokens, "
              f"interval {args.interval}, window {args.window}, sink {args.sink}; peak KV summed over batches of "
@@ -358,8 +331,8 @@ def robust_accuracy(ckpt, args, configs, device):
     """Greedy accuracy of a final model on its run's own held-out prompts (rebuilt as train.py does), per cache."""
     model, tokenizer = load_pretrained(str(ckpt), device=device, dtype=DTYPES[args.dtype])
     _, held_out = train.load_data(args)
-    reward = numeric_reward if args.data else reward_fn(args.task)
-    return [train.evaluate(model, tokenizer, held_out, reward, sparse, args) for sparse in configs]
+    return [accuracy(eval_rewards(model, tokenizer, held_out, run_reward(args), sparse, args.max_new_tokens))
+            for sparse in configs]
 
 
 def runs(args):

@@ -18,7 +18,8 @@ step, in order, one call each:
     -> dense re-scoring (pi_old) -> rejection + weights (Sparse-RL) -> advantages -> loss -> AdamW
     [-> the adapter's step on the same rollouts (distill.py, with --distill)]
 
-Writes <out>/metrics.jsonl (one line per step), <out>/eval.jsonl, checkpoints <out>/step-NNNNNN
+Writes <out>/metrics.jsonl (one line per step), <out>/eval.jsonl (greedy accuracy and reward on the
+held-out prompts, dense and through the rollout cache: evaluate.py), checkpoints <out>/step-NNNNNN
 (save_pretrained folders, written atomically), and prints a summary table at the end.
 """
 import argparse
@@ -39,12 +40,12 @@ from tqdm import tqdm
 import correction as C
 import distill
 import schedule as S
+from evaluate import eval_both, evaluate_only, rewards_of, run_reward
 from kvcache import POLICIES, SparseConfig
 from models import (CACHE_DIR, DTYPES, SMOLLM2, last_checkpoint, load_checkpoint, load_pretrained, pick_device,
                     save_atomically, save_checkpoint, toy_model, warm_up)
 from sampler import generate
-from tasks import (ALPHABET, TASKS, char_tokenizer, encode_prompt, exact_match, get_task, load_jsonl, make_examples,
-                   numeric_reward, reward_fn)
+from tasks import ALPHABET, TASKS, char_tokenizer, encode_prompt, get_task, load_jsonl, make_examples
 
 # Defaults per kind of run, where no flag is given. Toy runs: interval 4, window 4, sink 2, and per task:
 # pick: prompts of 12-27 tokens, answers of 4-7 (with eos), so 12 tokens compressed every 4 evict from the
@@ -269,16 +270,7 @@ def step_examples(args, train, step):
     return random.Random(args.seed * 100_003 + step).sample(train, args.prompts)
 
 
-# ----------------------------------------------------------------------------- one step, and evaluation
-
-def rewards_of(rollouts, examples, tokenizer, reward):
-    """Reward of each rollout [N] (float, on the CPU) against the answer of its example: the text of its
-    response tokens only (what follows them is padding, maybe a real token id such as 0)."""
-    lengths = rollouts.mask.sum(-1).long().tolist()
-    texts = tokenizer.batch_decode([row[:n] for row, n in zip(rollouts.tokens.tolist(), lengths)],
-                                   skip_special_tokens=True)
-    return torch.tensor([float(reward(text, e["answer"])) for text, e in zip(texts, examples)])
-
+# ----------------------------------------------------------------------------- one step
 
 def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, step, lora=None, lora_opt=None):
     """Sample, score, correct and learn from one batch of prompts; returns the step's metrics.
@@ -362,27 +354,6 @@ def update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, 
     return float(np.mean(losses)), float(np.mean(clips))
 
 
-def evaluate(model, tokenizer, examples, reward, sparse, args, lora=None):
-    """Accuracy: the share of held-out prompts whose greedy answer, sampled through `sparse`, is exact
-    (reward 1). With a 0/1 reward it is the mean reward; with partial credit, `eval_rewards` has the rest."""
-    return (eval_rewards(model, tokenizer, examples, reward, sparse, args, lora) == 1).float().mean().item()
-
-
-@torch.no_grad()
-def eval_rewards(model, tokenizer, examples, reward, sparse, args, lora=None):
-    """The reward of the greedy answer to each held-out prompt [N], sampled through `sparse` (by theta + phi
-    when a DistillSparse adapter is given and the cache is sparse: the sparse sampler as it is deployed)."""
-    rewards = []
-    with lora.on() if lora and sparse.policy != "full" else nullcontext():
-        for start in range(0, len(examples), 128):
-            batch = examples[start: start + 128]
-            out = generate(model, [encode_prompt(tokenizer, e["prompt"]) for e in batch], sparse,
-                           args.max_new_tokens, temperature=0, eos_token_id=tokenizer.eos_token_id,
-                           pad_token_id=tokenizer.pad_token_id)
-            rewards.append(rewards_of(out, batch, tokenizer, reward))
-    return torch.cat(rewards)
-
-
 # ----------------------------------------------------------------------------- the run
 
 def truncate_log(path, last_step):
@@ -417,7 +388,7 @@ def main(argv=None):
         model, tokenizer = load_model(args, device, dtype)
     except ValueError as error:
         sys.exit(f"error: {error}")
-    reward = numeric_reward if args.data else exact_match if args.reward == "exact" else reward_fn(args.task)
+    reward = run_reward(args)
     controller = sparse.schedule if isinstance(sparse.schedule, S.Controller) else None
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl > 0 else None
     start, state = 0, {}
@@ -435,17 +406,16 @@ def main(argv=None):
     if state:
         restore(state, ckpt, args, opt, lora, lora_opt, controller)
     if args.steps == 0:                                                # evaluate only
-        return model, evaluate_only(model, tokenizer, held_out, reward, evals, args, lora, start_time)
+        results = evaluate_only(model, tokenizer, held_out, reward, evals, args.max_new_tokens, lora)
+        print(f"wall time: {time.time() - start_time:.1f} s")
+        return model, results
     for log in ("metrics.jsonl", "eval.jsonl"):
         truncate_log(out / log, start if start else -1)               # a fresh start keeps no line
     print(f"rollouts: {sparse}; correction: {args.correction}; {args.prompts} prompts x {args.group_size} "
           f"rollouts (train on {args.keep}); {args.steps} steps on {device}")
 
-    def run_eval(step):   # accuracies (exact answers) and mean rewards (partial credit, on pick)
-        dense, sampled = (eval_rewards(model, tokenizer, held_out, reward, c, args, lora)
-                          for c in (SparseConfig("full"), sparse))
-        result = dict(step=step, dense=(dense == 1).float().mean().item(), sparse=(sampled == 1).float().mean().item(),
-                      dense_reward=dense.mean().item(), sparse_reward=sampled.mean().item())
+    def run_eval(step):
+        result = dict(step=step, **eval_both(model, tokenizer, held_out, reward, sparse, args.max_new_tokens, lora))
         with open(out / "eval.jsonl", "a") as f:
             f.write(json.dumps(result) + "\n")
         return result
@@ -498,19 +468,6 @@ def restore(state, ckpt, args, opt, lora, lora_opt, controller):
             sys.exit(f"error: {ckpt} holds no controller budgets for {len(controller.bins)} bins (found "
                      f"{budgets}); resume with the --controller, --bin-size and --max-new-tokens it was saved with")
         controller.schedule = S.piecewise(controller.bins, budgets)
-
-
-def evaluate_only(model, tokenizer, held_out, reward, configs, args, lora, start_time):
-    """--steps 0: greedy accuracy on the held-out prompts, dense and through each cache; -> {name: accuracy}."""
-    results = {"dense": evaluate(model, tokenizer, held_out, reward, SparseConfig("full"), args)}
-    for sparse in configs:
-        results[f"{sparse.policy}, budget {sparse.budget}"] = evaluate(model, tokenizer, held_out, reward, sparse,
-                                                                       args, lora)
-    print(f"\n| cache | greedy accuracy on {len(held_out)} held-out prompts |\n|---|---|")
-    for name, accuracy in results.items():
-        print(f"| {name} | {accuracy:.3f} |")
-    print(f"wall time: {time.time() - start_time:.1f} s")
-    return results
 
 
 def summary(out, first, last, history, sparse, seconds):

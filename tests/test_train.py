@@ -9,6 +9,8 @@ from transformers import AutoModelForCausalLM
 import models
 import schedule as S
 import train
+from evaluate import accuracy, eval_rewards
+from tasks import reward_fn
 
 # Short prompts (4-8 digits) so that a warm-up of 80 steps takes seconds; shared by the tests below.
 SMALL = ["--task", "sort", "--digits", "4", "8", "--warmup-steps", "80", "--max-new-tokens", "10", "--eval-size", "32",
@@ -189,7 +191,7 @@ def spied_step(monkeypatch, warm):
     examples = train.make_examples("sort", args.prompts, 5, *args.digits)
     reference = None
     model_copy = __import__("copy").deepcopy(model)                   # the weights before the update: pi_old
-    train.rl_step(model, None, opt, tokenizer, examples, train.reward_fn("sort"), train.sparse_config(args), args, 7)
+    train.rl_step(model, None, opt, tokenizer, examples, reward_fn("sort"), train.sparse_config(args), args, 7)
     rollouts = sampled[0]
     reference = torch.zeros_like(rollouts.logprobs)
     for i, prompt in enumerate(rollouts.prompts):
@@ -241,7 +243,7 @@ def test_by_default_a_batch_is_one_optimizer_step_whatever_the_micro_batch(warm,
         opt.step = lambda *a, **k: steps.append(1) or real_step(*a, **k)
         args.micro_batch = micro
         examples = train.make_examples("sort", args.prompts, 5, *args.digits)
-        train.rl_step(model, None, opt, tokenizer, examples, train.reward_fn("sort"), train.sparse_config(args),
+        train.rl_step(model, None, opt, tokenizer, examples, reward_fn("sort"), train.sparse_config(args),
                       args, 3)
         moved.append(torch.cat([p.detach().flatten() for p in model.parameters()]) - before)
         assert steps == [1]
@@ -257,30 +259,9 @@ def test_random_down_sampling_is_a_function_of_seed_and_step(warm, monkeypatch):
     for global_seed in (0, 1):                                      # the global RNG must not matter
         torch.manual_seed(global_seed)
         train.rl_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), tokenizer,
-                      train.make_examples("sort", 4, 5, 4, 8), train.reward_fn("sort"), train.sparse_config(args),
+                      train.make_examples("sort", 4, 5, 4, 8), reward_fn("sort"), train.sparse_config(args),
                       args, 3)
     assert torch.equal(kept[0], kept[1])
-
-
-def test_rewards_read_the_response_tokens_only():
-    # a vocabulary whose id 0 is a real character, as in GPT-2-style tokenizers: padding must not decode as "!"
-    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    backend = Tokenizer(tok_models.WordLevel({"!": 0, "7": 1, "2": 2, "<eos>": 3}, unk_token="!"))
-    backend.pre_tokenizer = pre_tokenizers.Split(tokenizers_regex(), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<eos>")
-    from sampler import Rollouts
-    tokens = torch.tensor([[1, 2, 3, 0, 0], [1, 2, 0, 0, 0]])          # after each response: padding (id 0)
-    mask = torch.tensor([[1.0, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
-    rollouts = Rollouts([[1], [1]], tokens, mask, torch.zeros(2, 5), torch.zeros(2, 5, 1), torch.zeros(2, 5, 1))
-    rewards = train.rewards_of(rollouts, [{"answer": "72"}] * 2, tok, train.reward_fn("sort"))
-    assert rewards.tolist() == [1.0, 1.0] and rewards.dtype == torch.float32
-
-
-def tokenizers_regex():
-    from tokenizers import Regex
-    return Regex(r"[\s\S]")
 
 
 def test_resume_survives_a_half_written_line_and_reads_state_with_weights_only(tmp_path, warm):
@@ -322,8 +303,8 @@ def test_steps_0_evaluates_the_warm_up_dense_and_under_each_cache(tmp_path, warm
     model, tokenizer = models.load_pretrained(str(warm))              # the same numbers, computed directly
     args = train.parse_args(SMALL)
     _, held_out = train.load_data(args)
-    expect = train.evaluate(model, tokenizer, held_out, train.reward_fn("sort"),
-                            train.sparse_config(args, "streaming", 6), args)
+    streaming = train.sparse_config(args, "streaming", 6)
+    expect = accuracy(eval_rewards(model, tokenizer, held_out, reward_fn("sort"), streaming, args.max_new_tokens))
     assert results["streaming, budget 6"] == expect
     assert "| snapkv, budget 10 |" in capsys.readouterr().out
     assert not (tmp_path / "metrics.jsonl").exists() and not list(tmp_path.glob("step-*"))

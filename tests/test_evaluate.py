@@ -1,0 +1,143 @@
+"""evaluate.py against references computed another way: Hugging Face's greedy answers one prompt at a time,
+our sampler one batch at a time, the adapter switched on by hand, the exact answers counted by hand."""
+import pytest
+import torch
+
+import distill
+import evaluate
+import train
+from kvcache import SparseConfig
+from models import toy_model
+from reference import hf_greedy
+from sampler import Rollouts, generate
+from tasks import char_tokenizer, edit_match, encode_prompt, exact_match, make_examples, numeric_reward, reward_fn
+
+SPARSE = SparseConfig("snapkv", 8, 2, 2, 2)   # evicts within the pick prompts' 12-27 tokens + 12 new
+
+
+@pytest.fixture(scope="module")
+def toy():
+    """A random toy model, its tokenizer and 7 pick prompts. Its weights are drawn wide (std 0.3, not 0.02),
+    so that its greedy answers differ from prompt to prompt and cache to cache (some stop early)."""
+    tokenizer = char_tokenizer()
+    torch.manual_seed(0)
+    model = toy_model(tokenizer).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return model, tokenizer, make_examples("pick", 7, 3, 3, 6)
+
+
+def recorder(texts):
+    """A reward that keeps each completion it is shown and pays partial credit."""
+    return lambda completion, answer: texts.append(completion) or edit_match(completion, answer)
+
+
+def test_rewards_read_the_response_tokens_only():
+    # a vocabulary whose id 0 is a real character, as in GPT-2-style tokenizers: padding must not decode as "!"
+    from tokenizers import Regex, Tokenizer, decoders, models as tok_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    backend = Tokenizer(tok_models.WordLevel({"!": 0, "7": 1, "2": 2, "<eos>": 3}, unk_token="!"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<eos>")
+    tokens = torch.tensor([[1, 2, 3, 0, 0], [1, 2, 0, 0, 0]])          # after each response: padding (id 0)
+    mask = torch.tensor([[1.0, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
+    rollouts = Rollouts([[1], [1]], tokens, mask, torch.zeros(2, 5), torch.zeros(2, 5, 1), torch.zeros(2, 5, 1))
+    rewards = evaluate.rewards_of(rollouts, [{"answer": "72"}] * 2, tok, reward_fn("sort"))
+    assert rewards.tolist() == [1.0, 1.0] and rewards.dtype == torch.float32
+
+
+def test_accuracy_counts_exact_answers_not_partial_credit():
+    assert evaluate.accuracy(torch.tensor([1.0, 0.5, 0.0, 1.0, 0.99])) == pytest.approx(0.4)
+
+
+def test_dense_rewards_are_those_of_hugging_face_greedy_answers_in_every_batch(toy, monkeypatch):
+    model, tokenizer, examples = toy
+    monkeypatch.setattr(evaluate, "BATCH", 3)                         # 7 prompts: batches of 3, 3 and 1
+    texts = []
+    rewards = evaluate.eval_rewards(model, tokenizer, examples, recorder(texts), SparseConfig("full"), 12)
+    expect = []
+    for e in examples:
+        new = hf_greedy(model, [encode_prompt(tokenizer, e["prompt"])], 12, tokenizer.pad_token_id,
+                        tokenizer.eos_token_id)[0]
+        expect.append(tokenizer.decode(new, skip_special_tokens=True))
+    assert texts == expect
+    assert rewards.tolist() == pytest.approx([edit_match(t, e["answer"]) for t, e in zip(expect, examples)])
+    assert len(set(texts)) > 1                                         # else the order would go unchecked
+
+
+def test_sparse_rewards_are_those_of_each_prompt_sampled_alone_and_both_land_in_eval_both(toy):
+    model, tokenizer, examples = toy
+    texts, dense = [], []
+    rewards = evaluate.eval_rewards(model, tokenizer, examples, recorder(texts), SPARSE, 12)
+    for e in examples:
+        out = generate(model, [encode_prompt(tokenizer, e["prompt"])], SPARSE, 12, temperature=0,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        assert texts.pop(0) == tokenizer.decode(out.tokens[0, : int(out.mask.sum())], skip_special_tokens=True)
+    both = evaluate.eval_both(model, tokenizer, examples, recorder(dense), SPARSE, 12)
+    dense = torch.tensor([edit_match(t, e["answer"]) for t, e in zip(dense[:7], examples)])   # the first 7: dense
+    assert list(both) == ["dense", "sparse", "dense_reward", "sparse_reward"]   # eval.jsonl's order
+    assert both["sparse_reward"] == pytest.approx(rewards.mean().item())
+    assert both["dense_reward"] == pytest.approx(dense.mean().item())
+    assert both["sparse"] == pytest.approx((rewards == 1).float().mean().item())
+
+
+def moved_adapter(model):
+    """An adapter whose B is no longer zero (as after training), so that it changes the answers."""
+    lora = distill.LoRA(model, rank=4)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lora.B.values():
+            p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    return lora
+
+
+def test_the_adapter_samples_through_a_sparse_cache_only_and_never_scores(toy, monkeypatch):
+    model, tokenizer, examples = toy
+    lora = moved_adapter(model)
+
+    def answers(sparse, adapter):
+        texts = []
+        evaluate.eval_rewards(model, tokenizer, examples, recorder(texts), sparse, 12, adapter)
+        return texts
+
+    plain = answers(SPARSE, None)
+    with lora.on():                                                    # theta + phi, switched on by hand
+        by_hand = answers(SPARSE, None)
+    assert by_hand != plain                                            # the adapter changes answers here
+    assert answers(SPARSE, lora) == by_hand and not lora.active        # and is off again afterwards
+    assert answers(SparseConfig("full"), lora) == answers(SparseConfig("full"), None)
+    active = {}                                                        # run_inference: sampling on, scoring off
+    for module, name in ((evaluate, "generate"), (evaluate.C, "dense_logprobs")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k:
+                            active.setdefault(name, set()).add(lora.active) or real(*a, **k))
+    evaluate.run_inference(model, tokenizer, examples, exact_match, SPARSE, 12, 3, lora)
+    assert active == {"generate": {True}, "dense_logprobs": {False}}
+
+
+def test_run_inference_sums_the_batches(toy):
+    model, tokenizer, examples = toy
+    even = lambda completion, answer: float(len(completion) % 2 == 0)   # a 0/1 reward that some answers earn
+    row = evaluate.run_inference(model, tokenizer, examples, even, SPARSE, 12, 3)
+    peak, lengths, hits = 0, [], []
+    for first in range(0, 7, 3):                                       # the same batches, sampled by hand
+        out = generate(model, [encode_prompt(tokenizer, e["prompt"]) for e in examples[first: first + 3]], SPARSE,
+                       12, temperature=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        peak += out.stats["peak_kv_bytes"]
+        n = out.mask.sum(-1).long().tolist()
+        lengths += n
+        hits += [even(tokenizer.decode(row[:k], skip_special_tokens=True), None) for row, k in zip(out.tokens, n)]
+    assert (row["peak_kv_bytes"], row["tokens"]) == (peak, sum(lengths))
+    assert row["accuracy"] == pytest.approx(sum(hits) / len(hits)) and 0 < row["accuracy"] < 1
+    assert 0 < row["alpha_p05"] <= row["alpha_mean"] <= 1
+
+
+def test_a_run_is_scored_with_the_reward_it_trained_on(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    assert evaluate.run_reward(train.parse_args(["--model", "m", "--data", str(data)])) is numeric_reward
+    assert evaluate.run_reward(train.parse_args(["--reward", "exact"])) is exact_match
+    assert evaluate.run_reward(train.parse_args(["--task", "pick"])) is reward_fn("pick") is edit_match
