@@ -33,9 +33,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import correction as C
 import kvcache
-from correction import (dense_logprobs, downsample, group_advantages, importance_weights, policy_loss,
-                        rejection_mask, response_logprobs)
 from kvcache import SparseConfig
 from models import load_pretrained
 from report import markdown
@@ -73,15 +72,21 @@ def build_model(s):
         c = model.config
         s.update(layers=c.num_hidden_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
                  kv_heads=c.num_key_value_heads, ffn=c.intermediate_size, vocab=c.vocab_size)
-        model.generation_config.eos_token_id = None   # every run is full length, as with the random model
-        return model
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
-                         num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-                         num_key_value_heads=s["kv_heads"], max_position_embeddings=s["prompt"] + s["long_new"])
-    model = LlamaForCausalLM(config).eval()
-    model.generation_config.eos_token_id = None   # a random model has no end token: every run is full length
+    else:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"], num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+            max_position_embeddings=s["prompt"] + s["long_new"])).eval()
+    model.generation_config.eos_token_id = None   # every run is full length (a random model has no end token)
     return model
+
+
+def timed(fn):
+    """(seconds that fn() took, what it returned)."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
 
 
 def cpu_jiffies():
@@ -97,27 +102,19 @@ def cpu_jiffies():
 
 
 @contextmanager
-def others_load():
-    """Cores that other processes kept busy, on average, during the block (the disturbance of a run)."""
-    load, before, start = [None], cpu_jiffies(), time.perf_counter()
+def run_clocks(model):
+    """The clocks of a run, HF's and ours alike: timestamps of every forward pass (prefill, then one per decode
+    step), and the cores that other processes kept busy, on average, during the block (its disturbance)."""
+    stamps, others, before, start = [], [None], cpu_jiffies(), time.perf_counter()
+    handle = model.register_forward_pre_hook(lambda *args: stamps.append(time.perf_counter()))
     try:
-        yield load
+        yield stamps, others
     finally:
+        handle.remove()
         after, seconds = cpu_jiffies(), time.perf_counter() - start
         if before and after and seconds >= 1:   # shorter blocks are below the clock tick's resolution
             ticks = os.sysconf("SC_CLK_TCK") * seconds
-            load[0] = max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / ticks)
-
-
-@contextmanager
-def step_clock(model):
-    """Timestamps of every forward pass (prefill, then one per decode step), for HF and for us alike."""
-    stamps = []
-    handle = model.register_forward_pre_hook(lambda *args: stamps.append(time.perf_counter()))
-    try:
-        yield stamps
-    finally:
-        handle.remove()
+            others[0] = max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / ticks)
 
 
 @contextmanager
@@ -129,19 +126,17 @@ def eviction_clock():
     """
     spent = [0.0]
 
-    def timed(fn):
+    def clocked(fn):
         def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[0] += time.perf_counter() - start
+            seconds, result = timed(lambda: fn(*args, **kwargs))
+            spent[0] += seconds
+            return result
         return wrapper
 
     saved = [(owner, name, getattr(owner, name)) for owner, name in
              ((kvcache, "compress"), (kvcache.Layer, "remember"), (kvcache, "top_pages"))]
     for owner, name, fn in saved:
-        setattr(owner, name, timed(fn))
+        setattr(owner, name, clocked(fn))
     try:
         yield spent
     finally:
@@ -151,11 +146,10 @@ def eviction_clock():
 
 def run_hf(model, ids, new):
     """Hugging Face greedy `generate` of exactly `new` tokens -> dict of tokens, seconds, KV bytes."""
-    with torch.inference_mode(), others_load() as others, step_clock(model) as stamps:
-        start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
-                             min_new_tokens=new, pad_token_id=0, return_dict_in_generate=True)
-        seconds = time.perf_counter() - start
+    with torch.inference_mode(), run_clocks(model) as (stamps, others):
+        seconds, out = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                    max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+                                                    return_dict_in_generate=True))
     kv = out.past_key_values   # a dynamic cache only grows: its final size is its peak
     kv_bytes = sum(t.numel() * t.element_size() for layer in kv.layers for t in (layer.keys, layer.values))
     return dict(tokens=out.sequences[:, ids.shape[1]:], seconds=seconds, prefill=stamps[1] - stamps[0],
@@ -166,7 +160,7 @@ def run_hf(model, ids, new):
 def run_ours(model, prompts, policy, new, s, interval=None):
     """Our sampler, greedy, exactly `new` tokens -> dict like `run_hf` plus eviction time and step stamps."""
     sparse = SparseConfig(policy, budget=s["budget"], interval=interval or s["interval"])
-    with others_load() as others, eviction_clock() as spent, step_clock(model) as stamps:
+    with eviction_clock() as spent, run_clocks(model) as (stamps, others):
         start = time.perf_counter()
         out = generate(model, prompts, sparse, max_new_tokens=new, temperature=0)
         end = time.perf_counter()
@@ -178,10 +172,8 @@ def run_ours(model, prompts, policy, new, s, interval=None):
 
 def median_run(runs):
     """One summary of repeated runs: median seconds; tokens, cache sizes and stamps from the first."""
-    summary = dict(runs[0])
-    summary["seconds"] = statistics.median(r["seconds"] for r in runs)
-    summary["all_seconds"] = [r["seconds"] for r in runs]
-    summary["all_others"] = [r["others"] for r in runs]
+    summary = dict(runs[0], seconds=statistics.median(r["seconds"] for r in runs),
+                   all_seconds=[r["seconds"] for r in runs], all_others=[r["others"] for r in runs])
     if runs[0]["evict_seconds"] is not None:  # share of decode time, median over the rounds
         summary["evict_share"] = statistics.median(r["evict_seconds"] / (r["seconds"] - r["prefill"]) for r in runs)
     return summary
@@ -190,24 +182,23 @@ def median_run(runs):
 # ----------------------------------------------------------------------------- the five measurements
 
 def throughput(model, ids, s, repeats):
-    """Section 1: every sampler once per round, `repeats` rounds after a short warm-up of each."""
+    """Section 1: every sampler once per round, `repeats` rounds after a short warm-up of each; then the long
+    rollout, dense and LONG_POLICY, `long_repeats` rounds. -> ({sampler: median_run}, {the long ones: ...})."""
     prompts = ids.tolist()
-    names = [HF, "full"] + SPARSE
     run = lambda name, new: run_hf(model, ids, new) if name == HF else run_ours(model, prompts, name, new, s)
-    for name in names:
+
+    def rounds(what, names, new, repeats):
+        done = []
+        for i in range(repeats):   # every other round runs in reverse order, so a slow drift of the machine
+            order = names if i % 2 == 0 else names[::-1]            # does not always hit the same sampler
+            log(f"{what} round {i + 1} of {repeats}: {', '.join(order)}, {new} new tokens")
+            done.append({name: run(name, new) for name in order})
+        return {name: median_run([r[name] for r in done]) for name in names}
+
+    for name in [HF, "full"] + SPARSE:
         run(name, min(32, s["new"]))
-    rounds = []
-    for i in range(repeats):   # every other round runs in reverse order, so a slow drift of the machine
-        order = names if i % 2 == 0 else names[::-1]            # does not always hit the same sampler
-        log(f"throughput round {i + 1} of {repeats}: {', '.join(order)}")
-        rounds.append({name: run(name, s["new"]) for name in order})
-    results = {name: median_run([r[name] for r in rounds]) for name in names}
-    long_rounds = []
-    for i in range(s["long_repeats"]):
-        log(f"long rollout round {i + 1} of {s['long_repeats']}: full, {LONG_POLICY}, {s['long_new']} new tokens")
-        long_rounds.append({name: run(name, s["long_new"]) for name in ("full", LONG_POLICY)})
-    long = {name: median_run([r[name] for r in long_rounds]) for name in ("full", LONG_POLICY)}
-    return results, long
+    return (rounds("throughput", [HF, "full"] + SPARSE, s["new"], repeats),
+            rounds("long rollout", ["full", LONG_POLICY], s["long_new"], s["long_repeats"]))
 
 
 def scaling(long, s):
@@ -241,29 +232,24 @@ def overheads(model, rollouts, dense_seconds, rollout_seconds, s, repeats=50):
     One training step here is the learner's part only (re-score the kept rollouts densely, forward
     with grad, loss, backward, AdamW step), not the rollout: the smallest honest denominator.
     """
-    start = time.perf_counter()
-    logp_old = dense_logprobs(model, rollouts, batch_size=s["batch"])
-    rescore = time.perf_counter() - start
+    rescore, logp_old = timed(lambda: C.dense_logprobs(model, rollouts, batch_size=s["batch"]))
     rewards = torch.rand(len(rollouts), generator=torch.Generator().manual_seed(0)).round()  # 0/1, one group
 
     def correct():   # the cheap stages of a step: down-sample, advantages, reject, reweight
-        keep = downsample(rewards, len(rollouts), s["keep"])
-        advantages, _ = group_advantages(rewards[keep], s["keep"])
+        keep = C.downsample(rewards, len(rollouts), s["keep"])
+        advantages, _ = C.group_advantages(rewards[keep], s["keep"])
         log_rho = logp_old[keep] - rollouts.logprobs[keep]
-        mask, _ = rejection_mask(log_rho, rollouts.mask[keep])
-        return keep, advantages, mask, importance_weights(log_rho, rollouts.mask[keep])
+        mask, _ = C.rejection_mask(log_rho, rollouts.mask[keep])
+        return keep, advantages, mask, C.importance_weights(log_rho, rollouts.mask[keep])
 
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        keep, advantages, mask, weights = correct()
-        times.append(time.perf_counter() - start)
+    times = [timed(correct)[0] for _ in range(repeats)]
+    keep, advantages, mask, weights = correct()   # the same every time: the rewards are fixed
     learner = copy.deepcopy(model).train()   # the step changes weights; the measured model stays as it was
     optimizer = torch.optim.AdamW(learner.parameters(), lr=1e-6)
     kept = rollouts.select(keep)
     start = time.perf_counter()
-    old = dense_logprobs(learner, kept, batch_size=s["batch"])
-    loss, _ = policy_loss(response_logprobs(learner, kept), old, advantages, mask, weights)
+    old = C.dense_logprobs(learner, kept, batch_size=s["batch"])
+    loss, _ = C.policy_loss(C.response_logprobs(learner, kept), old, advantages, mask, weights)
     loss.backward()
     optimizer.step()
     step = time.perf_counter() - start
@@ -281,12 +267,7 @@ def limit(s, dense, n=None, repeats=5):
     """
     def rate(work, fn):   # work per second, median of `repeats` timed calls after one warm-up call
         fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return work / statistics.median(times)
+        return work / statistics.median(timed(fn)[0] for _ in range(repeats))
 
     n = n or s["mm"]
     a, b, big = torch.randn(n, n), torch.randn(n, n), torch.randn(32 * n * n)
@@ -318,7 +299,7 @@ def report(s, results, long, scale, over, lim, wall, machine):
     pct = lambda x: f"{100 * x:.1f} %"
     record = dict(settings=dict(s), machine=machine, throughput={}, scaling=scale, overheads=over, limit=lim,
                   wall_seconds=wall)
-    rows, memory = [], []
+    rows, memory, record["long"] = [], [], {}
     for name, r in results.items():
         label, formula = name if name == HF else f"ours {name}", kv_formula(s, r["peak_kv_tokens"])
         same = None if name == HF else bool(torch.equal(r["tokens"], results[HF]["tokens"]))
@@ -331,7 +312,6 @@ def report(s, results, long, scale, over, lim, wall, machine):
             tokens_per_s=speed[name], vs_hf=speed[name] / speed[HF], vs_dense=speed[name] / speed["full"],
             seconds=r["all_seconds"], peak_kv_tokens=r["peak_kv_tokens"], peak_kv_bytes=r["peak_kv_bytes"],
             kv_formula_bytes=formula, evict_share=r.get("evict_share"), others_load=r["all_others"], same_tokens_as_hf=same)
-    record["long"] = {}
     for name, r in long.items():
         kv = r["peak_kv_bytes"] / long["full"]["peak_kv_bytes"]
         rows.append([f"ours {name}, {s['long_new']} new", f"{long_speed[name]:.1f}", "-",
@@ -398,7 +378,7 @@ def plot_scaling(scale, path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return None
+        return
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, label in (("full", "dense"), (LONG_POLICY, LONG_POLICY)):
         ax.plot([r["context"] for r in scale], [r[name] for r in scale], marker="o", label=label)
@@ -408,7 +388,6 @@ def plot_scaling(scale, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return path
 
 
 def cpu_name():
@@ -434,9 +413,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick and args.model:
         parser.error("--quick runs the tiny random model; it cannot be combined with --model")
-    s = dict(QUICK if args.quick else PRETRAINED if args.model else FULL)
-    if args.model:
-        s["model"] = args.model
+    s = dict(QUICK) if args.quick else dict(PRETRAINED, model=args.model) if args.model else dict(FULL)
     s["repeats"] = args.repeats or s["repeats"]
     wall = time.perf_counter()
     machine = f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
@@ -451,10 +428,9 @@ def main(argv=None):
     # that steady state, at a quarter of the cost.
     over["interval_1"] = {}
     for name in ("snapkv", "rkv"):   # the policies whose choice costs real work at every compression
-        if name in EVICTION:
-            log(f"{name} at interval 1")
-            r = run_ours(model, ids.tolist(), name, s["new"] // 4, s, interval=1)
-            over["interval_1"][name] = r["evict_seconds"] / (r["seconds"] - r["prefill"])
+        log(f"{name} at interval 1")
+        r = run_ours(model, ids.tolist(), name, s["new"] // 4, s, interval=1)
+        over["interval_1"][name] = r["evict_seconds"] / (r["seconds"] - r["prefill"])
     log("the limit: torch.mm and copy bandwidth")
     lim = limit(s, results["full"])
     text, record = report(s, results, long, scale, over, lim, time.perf_counter() - wall, machine)
