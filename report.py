@@ -166,7 +166,8 @@ def comparison_rows(groups, robust=None):
     dense, sparse      the same after the last step, with a full cache and through the run's training cache
                        (a dense run trains with a full cache, so its two columns agree)
     dense gain         dense after - dense before, mean ± std over seeds
-    of first's gain    this variant's mean dense gain / the first variant's (Sparse-RL: ~97 % of dense GRPO's)
+    of first's gain    this variant's mean dense gain / the first variant's (Sparse-RL: ~97 % of dense GRPO's);
+                       "-" unless the first's gain exceeds its std over seeds (a ratio to noise is noise)
     sparse @ B         the final model through the run's cache at budget B (`robust`: {variant: [[acc per B] per seed]})
     peak KV vs dense   mean over steps of the rollouts' peak KV bytes / the bytes of a full cache
     dropped tokens     response tokens the rejection dropped / response tokens, over the whole run
@@ -175,7 +176,9 @@ def comparison_rows(groups, robust=None):
     """
     rows = []
     gain = lambda evals: [e[-1]["dense"] - e[0]["dense"] for e in evals]
-    first = np.mean(gain([e for _, e in next(iter(groups.values()))]))
+    base = gain([e for _, e in next(iter(groups.values()))])
+    first, std = mean_std(base)
+    first = first if first > std else 0
     for variant, runs in groups.items():
         metrics, evals = [m for m, _ in runs], [e for _, e in runs]
         row = [variant, len(runs), pm([e[0]["dense"] for e in evals]), pm([e[0]["sparse"] for e in evals]),

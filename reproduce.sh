@@ -91,17 +91,22 @@ pods() {   # PODS n = 16 -> m = 8 against plain GRPO with 8 (corrections' dense 
     queue "${todo[@]}"
 }
 
-distill() {   # DistillSparse on top of Sparse-RL at budget 12, where the tail is far below 0.86; then the budgets
-    local todo=() seed          # that hold 0.86 with the final policy, its adapter off and on
-    for seed in $SEEDS; do todo+=("distill $seed --distill ppo-kl"); done
+distill() {   # DistillSparse on top of Sparse-RL at budget 12, where the tail is far below 0.86: Sparrow's loss
+    local todo=() seed run side # (ppo-kl) and the pure KL; then the budgets that hold 0.86 with each final policy,
+    for seed in $SEEDS; do      # its adapter off and on
+        todo+=("distill $seed --distill ppo-kl" "distill-kl $seed --distill kl")
+    done
     queue "${todo[@]}"
-    for seed in $SEEDS; do
-        local ckpt="$OUT/distill-s$seed/step-$(printf %06d $STEPS)"
-        for side in off on; do
-            [ -f "$OUT/distill-s$seed-$side.json" ] && continue
-            echo "$(date +%T) python schedule.py --calibrate --model $ckpt (adapter $side)"
-            python schedule.py --calibrate --model "$ckpt" --out "$OUT/distill-s$seed-$side.json" \
-                $([ $side = on ] && echo --adapter "$ckpt/adapter.safetensors") > "$OUT/calibrate-distill-s$seed-$side.log" 2>&1
+    for run in distill distill-kl; do
+        for seed in $SEEDS; do
+            local ckpt="$OUT/$run-s$seed/step-$(printf %06d $STEPS)"
+            for side in off on; do
+                [ -f "$OUT/$run-s$seed-$side.json" ] && continue
+                echo "$(date +%T) python schedule.py --calibrate --model $ckpt (adapter $side)"
+                python schedule.py --calibrate --model "$ckpt" --out "$OUT/$run-s$seed-$side.json" \
+                    $([ $side = on ] && echo --adapter "$ckpt/adapter.safetensors") \
+                    > "$OUT/calibrate-$run-s$seed-$side.log" 2>&1
+            done
         done
     done
 }
@@ -118,14 +123,19 @@ hard_case() {   # sort, the hard case, every token load-bearing: the corrections
 
 report() {   # results/<experiment>.md with PNGs (results/<experiment>_*.png), and results/keeps.png
     python -c "import matplotlib" 2>/dev/null || echo "no matplotlib, so no PNGs: pip install matplotlib" >&2
-    python report.py runs "$OUT"/{dense,naive,tis,sparse-rl,schedule,distill}-s? --robust-budgets 12 10 \
+    python report.py runs "$OUT"/{dense,naive,tis,sparse-rl,schedule}-s? --robust-budgets 12 10 \
         --out results/corrections
+    python report.py runs "$OUT"/{sparse-rl,distill,distill-kl}-s? --robust-budgets 12 10 --out results/distill
     python report.py runs "$OUT"/{sparse-rl,policy-rkv,policy-h2o,policy-streaming,policy-random}-s? --out results/policies
     python report.py runs "$OUT"/{dense,pods16to8}-s? --out results/pods
     python report.py runs "$OUT"/sort-{dense,naive,tis,sparse-rl}-s? --robust-budgets 24 20 --out results/sort
     python report.py keeps --model "$OUT/warmup-pick-s0" --out results/keeps.png > results/keeps.md
-    grep -h "smallest constant budget" "$OUT"/calibrate-distill-s?-{off,on}.log "$OUT"/calibrate-s?.log \
-        > results/distill_budgets.txt || true
+    local log                   # the budgets that hold 0.86, and what the cost model predicts for each schedule
+    for log in "$OUT"/calibrate-s?.log "$OUT"/calibrate-distill{,-kl}-s?-{off,on}.log; do
+        local json=$(sed -n 's/^wrote //p' "$log")
+        echo "$log: $(grep -h "smallest constant budget" "$log"); stretched to 32K tokens:" \
+             "$(python schedule.py --speedup "$json" | grep stretched | cut -d'|' -f3-5)"
+    done > results/distill_budgets.txt
 }
 
 for experiment in "${@:-corrections policies schedule pods distill sort report}"; do

@@ -175,3 +175,15 @@ def test_keeps_counts_the_layers_and_heads_that_hold_each_position(tmp_path, cap
                  "--out", str(tmp_path / "keeps.png")])
     assert (tmp_path / "keeps.png").read_bytes()[:4] == b"\x89PNG"
     assert "| streaming |" in capsys.readouterr().out
+
+
+def test_no_share_of_a_gain_within_the_noise(tmp_path):
+    # the baseline's gains +0.1 and -0.05 (mean 0.025, std 0.106): a share of it would be a ratio to noise
+    evals = lambda after: [(0, .5, .5), (3, after, after)]
+    steps = [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in (1, 2, 3)]
+    groups = {"base": [report.read_run(write_run(tmp_path / f"base-s{i}", steps, evals(a)))
+                       for i, a in enumerate((.6, .45))],
+              "other": [report.read_run(write_run(tmp_path / "other-s0", steps, evals(.7)))]}
+    rows = {r[0]: r for r in report.comparison_rows(groups)}
+    assert rows["base"][7] == "-" and rows["other"][7] == "-"
+    assert rows["other"][6] == "0.200 ± 0.000"
