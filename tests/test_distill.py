@@ -13,6 +13,7 @@ from correction import dense_logprobs
 from kvcache import SparseConfig
 from reference import tiny_model
 from sampler import generate
+from tasks import reward_fn
 
 PROMPTS = [[5, 9, 3, 7, 1, 12, 33, 8, 2], [4, 17, 6], [21, 22, 23, 24, 25, 26]]
 CONFIGS = {"streaming": SparseConfig("streaming", budget=8, interval=3, window=2, sink=2),
@@ -139,7 +140,7 @@ def test_theta_and_phi_each_move_only_in_their_own_step(warm, monkeypatch):
         return wrapper
     monkeypatch.setattr(train, "update", spy("theta", real_update))
     monkeypatch.setattr(distill, "step", spy("phi", real_step))
-    line = train.rl_step(model, None, opt, tokenizer, train.make_examples("sort", 4, 5, 4, 8), train.reward_fn("sort"),
+    line = train.rl_step(model, None, opt, tokenizer, train.make_examples("sort", 4, 5, 4, 8), reward_fn("sort"),
                          train.sparse_config(args), args, 3, lora, lora_opt)
     assert seen["theta"][0] > 0 and seen["theta"][1] == 0             # the update moves theta only
     assert seen["phi"][0] == 0 and seen["phi"][1] > 0                 # the adapter's step moves phi only
