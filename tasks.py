@@ -17,6 +17,8 @@ What is here
   which round-trips through `save_pretrained` / `AutoTokenizer.from_pretrained`.
 - `load_jsonl(path)`: real data, GSM8K style ({"question", "answer": "...\\n#### 72"}) or
   {"prompt", "answer"}, scored by `numeric_reward`, which reads "#### N" or "\\boxed{N}".
+- `make_arithmetic(n, seed)`: short arithmetic word questions in that {"prompt", "answer"} form, each after
+  three worked examples: real data SmolLM2-135M answers sometimes (data/arithmetic_*.jsonl, `write_arithmetic`).
 - `encode_prompt` / `encode_target`: token ids of a prompt (through the chat template when the
   tokenizer has one) and of a supervised target (the answer, then eos).
 
@@ -311,3 +313,60 @@ def _parse_line(line, where):
         raise ValueError(f"{where}: final answer {final!r} is not a number")
     prompt = record["prompt"] if key == "prompt" else record["question"] + "\n" + ANSWER_INSTRUCTION
     return {"prompt": prompt, "answer": final.replace(",", "")}
+
+
+# ---------------------------------------------------------------- arithmetic word questions
+
+NAMES = ["Tom", "Anna", "Sam", "Lily", "Ben", "Mia"]
+ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books"]
+# (question, solution, solve(a, b, c) -> answer): {n} a name, {i} the items, {a} {b} {c} numbers 2..top.
+ONE_STEP = [("{n} has {a} {i} and buys {b} more. How many {i} does {n} have now?", "{a} + {b}", lambda a, b, c: a + b),
+            ("{n} has {a} {i} and gives {b} to a friend. How many {i} does {n} have left?", "{a} - {b}",
+             lambda a, b, c: a - b),
+            ("{n} buys {a} bags with {b} {i} in each bag. How many {i} does {n} buy?", "{a} * {b}",
+             lambda a, b, c: a * b)]
+TWO_STEP = [("{n} has {a} {i}, buys {b} more, then gives away {c}. How many {i} does {n} have now?", "{a} + {b} - {c}",
+             lambda a, b, c: a + b - c),
+            ("{n} buys {a} bags with {b} {i} in each bag and finds {c} more. How many {i} does {n} have now?",
+             "{a} * {b} + {c}", lambda a, b, c: a * b + c)]
+# Three worked examples before each question: asked for "#### N" without them, SmolLM2-135M-Instruct seldom
+# writes it (sampled reward 0.01 against 0.12 with them: 24 questions x 4, temperature 1).
+SHOTS = ("Question: Sam has 2 pens and buys 3 more. How many pens does Sam have now?\nAnswer: 2 + 3 = 5\n#### 5\n\n"
+         "Question: Mia has 9 cards and gives 4 to a friend. How many cards does Mia have left?\nAnswer: 9 - 4 = 5\n"
+         "#### 5\n\nQuestion: Joe buys 3 bags with 6 eggs in each bag. How many eggs does Joe buy?\nAnswer: 3 * 6 = 18"
+         "\n#### 18\n\n")
+
+
+def make_arithmetic(n, seed, top=6, two_step=0.0):
+    """`n` arithmetic word questions {"prompt": SHOTS + question, "answer": "<solution>\\n#### N"} (the form
+    `load_jsonl` reads), numbers 2..top, answers positive integers, a share `two_step` in two steps:
+
+        make_arithmetic(1, seed=0)[0]["prompt"][len(SHOTS):]
+        'Question: Anna has 5 cookies and gives 4 to a friend. How many cookies does Anna have left?\\nAnswer:'
+        make_arithmetic(1, seed=0)[0]["answer"]
+        '5 - 4 = 1\\n#### 1'
+
+    The same seed gives the same questions. data/arithmetic_{train,test}.jsonl (512 from seed 0, 64 from seed 1):
+        python -c "import tasks; tasks.write_arithmetic('data')"
+    """
+    rng, examples = random.Random(seed), []
+    while len(examples) < n:
+        question, solution, solve = rng.choice(TWO_STEP if rng.random() < two_step else ONE_STEP)
+        a, b, c = (rng.randint(2, top) for _ in range(3))
+        name, items, answer = rng.choice(NAMES), rng.choice(ITEMS), solve(a, b, c)
+        if answer > 0:                                                   # no one gives away what they lack
+            examples.append({"prompt": f"{SHOTS}Question: {question.format(n=name, i=items, a=a, b=b, c=c)}\nAnswer:",
+                             "answer": f"{solution.format(a=a, b=b, c=c)} = {answer}\n#### {answer}"})
+    return examples
+
+
+def write_arithmetic(folder, train=512, test=64):
+    """<folder>/arithmetic_train.jsonl (`train` questions, seed 0) and arithmetic_test.jsonl (`test` from seed 1,
+    distinct, none of them a training question: with numbers 2..6 a fifth of them would be)."""
+    train_set = make_arithmetic(train, seed=0)
+    seen = {e["prompt"] for e in train_set}
+    distinct = {e["prompt"]: e for e in make_arithmetic(4 * test, seed=1)}        # a prompt fixes its answer
+    test_set = [e for prompt, e in distinct.items() if prompt not in seen][:test]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for name, examples in (("train", train_set), ("test", test_set)):
+        Path(folder, f"arithmetic_{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))

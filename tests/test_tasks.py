@@ -288,3 +288,62 @@ def test_gsm8k_loads_and_its_reference_solutions_score_1():
         # The reference solution ends in "#### N", so the reward must give it full marks.
         assert numeric_reward(record["answer"], example["answer"]) == 1.0
         assert numeric_reward(record["answer"] + "\n#### 0.5", example["answer"]) == 0.0
+
+
+# ---------------------------------------------------------------- arithmetic word questions
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+# Each question's answer computed from its own words, independently of tasks.py's templates.
+ARITHMETIC = [
+    (r"\w+ has (\d+) \w+ and buys (\d+) more\. How many \w+ does \w+ have now\?", lambda a, b: a + b),
+    (r"\w+ has (\d+) \w+ and gives (\d+) to a friend\. How many \w+ does \w+ have left\?", lambda a, b: a - b),
+    (r"\w+ buys (\d+) bags with (\d+) \w+ in each bag\. How many \w+ does \w+ buy\?", lambda a, b: a * b),
+    (r"\w+ has (\d+) \w+, buys (\d+) more, then gives away (\d+)\. How many \w+ does \w+ have now\?",
+     lambda a, b, c: a + b - c),
+    (r"\w+ buys (\d+) bags with (\d+) \w+ in each bag and finds (\d+) more\. How many \w+ does \w+ have now\?",
+     lambda a, b, c: a * b + c),
+]
+
+
+def solve_arithmetic(prompt):
+    """(the answer worked out from the question's words, the index of the kind of question)."""
+    assert prompt.startswith(tasks.SHOTS) and prompt.endswith("\nAnswer:"), prompt
+    question = prompt[len(tasks.SHOTS):].removeprefix("Question: ").removesuffix("\nAnswer:")
+    for kind, (pattern, solve) in enumerate(ARITHMETIC):
+        if match := re.fullmatch(pattern, question):
+            return solve(*map(int, match.groups())), kind
+    raise AssertionError(f"no known question: {question!r}")
+
+
+def test_arithmetic_answers_match_the_words_of_each_question():
+    examples = tasks.make_arithmetic(400, seed=3, top=9, two_step=0.3)
+    kinds = set()
+    for example in examples:
+        expected, kind = solve_arithmetic(example["prompt"])
+        kinds.add(kind)
+        solution, answer = example["answer"].split("\n#### ")
+        assert int(answer) == expected > 0 and solution.endswith(f" = {expected}")
+        assert numeric_reward(example["answer"], answer) == 1.0
+        assert all(2 <= int(x) <= 9 for x in re.findall(r"\d+", example["prompt"][len(tasks.SHOTS):]))
+    assert kinds == set(range(len(ARITHMETIC)))                       # every kind of question occurs
+    assert {solve_arithmetic(e["prompt"])[1] for e in tasks.make_arithmetic(100, seed=3)} == {0, 1, 2}  # one step
+
+
+def test_arithmetic_is_a_function_of_the_seed():
+    assert tasks.make_arithmetic(50, seed=7) == tasks.make_arithmetic(50, seed=7)
+    assert tasks.make_arithmetic(50, seed=7) != tasks.make_arithmetic(50, seed=8)
+    assert tasks.make_arithmetic(10, seed=7) == tasks.make_arithmetic(50, seed=7)[:10]
+
+
+def test_committed_arithmetic_files_are_the_generators_output(tmp_path):
+    tasks.write_arithmetic(tmp_path)
+    for name, size in (("train", 512), ("test", 64)):
+        committed = (DATA / f"arithmetic_{name}.jsonl").read_text(encoding="utf-8")
+        assert committed == (tmp_path / f"arithmetic_{name}.jsonl").read_text(encoding="utf-8")
+        examples = load_jsonl(DATA / f"arithmetic_{name}.jsonl")
+        assert len(examples) == size
+        for example in examples:
+            assert example["answer"] == str(solve_arithmetic(example["prompt"])[0])   # a plain integer
+    train = {e["prompt"] for e in load_jsonl(DATA / "arithmetic_train.jsonl")}
+    test = [e["prompt"] for e in load_jsonl(DATA / "arithmetic_test.jsonl")]
+    assert len(test) == len(set(test)) and not train & set(test)     # held out: no training question

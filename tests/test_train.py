@@ -1,6 +1,7 @@
 """train.py end to end on a small warm-started toy model: metrics, checkpoints, resume, learning, errors."""
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,7 +141,10 @@ def test_smollm2_without_its_package_names_the_pip_command(tmp_path, monkeypatch
 
 def test_smollm2_gets_cpu_sized_defaults_that_flags_override():
     args = train.parse_args(["--model", "smollm2-135m", "--prompts", "3"])
-    assert (args.budget, args.max_new_tokens, args.group_size, args.prompts) == (128, 256, 4, 3)
+    assert (args.budget, args.max_new_tokens, args.group_size, args.prompts, args.temperature) == (128, 128, 4, 3, 0.7)
+    assert Path(args.data).name == "arithmetic_train.jsonl" and Path(args.eval_data).is_file()   # committed data
+    other = train.parse_args(["--model", "smollm2-135m", "--data", "gsm8k.jsonl"])      # none of arithmetic's settings
+    assert (other.data, other.eval_data, other.max_new_tokens, other.temperature) == ("gsm8k.jsonl", None, 256, 1.0)
     assert train.parse_args(["--model", "org/name"]).budget == 512          # any other model: the paper's
 
 
