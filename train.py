@@ -127,7 +127,7 @@ def parse_args(argv=None):
     g.add_argument("--bin-size", type=int, default=d["bin_size"], help="tokens per length bin of the tail metrics "
                    "and the controller (toy 16, smollm2-135m 64, else 128)")
     g.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"], help="response length limit "
-                   "(pick 12, sort 24, smollm2-135m 256, else 512)")
+                   "(pick 12, sort 24, smollm2-135m 128 on its arithmetic data and 256 with --data, else 512)")
     g = p.add_argument_group("correction (correction.py)")
     g.add_argument("--correction", default="sparse-rl", choices=["sparse-rl", "tis", "none"],
                    help="sparse-rl: rejection + weights; tis: weights only; none: naive sparse training")
