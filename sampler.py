@@ -63,6 +63,14 @@ class Rollouts:
                         rows(self.logprobs), rows(self.topk_logprobs), rows(self.topk_ids), dict(self.stats), kept)
 
 
+def clock(device):
+    """Seconds on a wall clock once `device` has finished its queued work. CUDA runs kernels asynchronously:
+    an unsynchronised clock times their launch, not the work. Every timing in the project reads this clock."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def left_pad(prompts, pad_token_id, device):
     """Prompts (lists of ids) -> input_ids [N, P] left-padded, positions [N, P] (-1 on padding)."""
     P = max(len(p) for p in prompts)
@@ -137,7 +145,7 @@ def generate(model, prompts, sparse=SparseConfig(), max_new_tokens=256, temperat
     tokens, logprobs, topk_logprobs, topk_ids, masks = [], [], [], [], []
     done = torch.zeros(N, dtype=torch.bool, device=device)
     next_pos = positions[:, -1:] + 1
-    start = time.perf_counter()
+    start = clock(device)
     with sparse_attention(model):
         logits = forward(model, ids, positions, cache)
         for step in range(max_new_tokens):
@@ -159,7 +167,7 @@ def generate(model, prompts, sparse=SparseConfig(), max_new_tokens=256, temperat
                 break
             logits = forward(model, token[:, None], next_pos, cache)
             next_pos = next_pos + 1
-    seconds = time.perf_counter() - start
+    seconds = clock(device) - start
     mask = torch.stack(masks, 1)
     T = int(mask.any(0).sum())              # the steps up to the last live token (rows end for good)
     new_tokens = int(mask.sum())
