@@ -247,8 +247,9 @@ def group_advantages(rewards, group_size, scale=True, eps=1e-4):
     rewards: [N], rows g*group_size .. (g+1)*group_size - 1 answer prompt g.
         A_i = (r_i - mean_g) / (std_g + eps)     scale=True (GRPO; PODS uses eps 1e-4)
         A_i =  r_i - mean_g                      scale=False (Dr. GRPO, `--no-std`)
-    std is the population std (a group of one gets A = 0, not NaN). A group whose rewards are
-    all equal carries no signal: its advantages are exactly 0 (section 8).
+    std is the sample std, Bessel-corrected (divides by n - 1), as PODS, TRL, verl and slime compute
+    it: a group of two rewards {0, 1} gets A = +-0.707. A group whose rewards are all equal (a
+    group of one too) carries no signal: its advantages are exactly 0, not NaN (section 8).
     Returns (advantages [N], float: integer rewards give float advantages; stats: groups, zero_std_groups).
     """
     check_groups(rewards, group_size)
@@ -257,7 +258,8 @@ def group_advantages(rewards, group_size, scale=True, eps=1e-4):
     r = rewards.double().view(-1, group_size)                                         # [G, n]
     centered = r - r.mean(-1, keepdim=True)
     if scale:
-        centered = centered / (r.std(-1, correction=0, keepdim=True) + eps)
+        std = r.std(-1, keepdim=True) if group_size > 1 else torch.zeros_like(r[:, :1])   # torch.std: n - 1
+        centered = centered / (std + eps)
     flat = r.max(-1).values == r.min(-1).values                                       # [G]
     advantages = centered.masked_fill(flat[:, None], 0.0)
     dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
@@ -265,11 +267,12 @@ def group_advantages(rewards, group_size, scale=True, eps=1e-4):
 
 
 def policy_loss(logp, logp_old, advantages, mask, weights=None, clip=0.2, clip_high=None,
-                kl_coef=0.0, logp_ref=None, agg="seq-mean"):
+                kl_coef=0.0, logp_ref=None, agg="seq-mean", response_mask=None):
     """The clipped GRPO objective, importance-weighted, as a loss to minimise.
 
     logp [N, T] (pi_theta, with grad), logp_old [N, T] (pi_old), advantages [N] or [N, T],
-    mask [N, T] (after rejection), weights [N, T] (from `importance_weights`, detached).
+    mask [N, T] (after rejection), weights [N, T] (from `importance_weights`, detached),
+    response_mask [N, T] (before rejection: the denominators).
         r_t = pi_theta(y_t) / pi_old(y_t)
         L_t = w_t * max(-r_t * A, -clip(r_t, 1 - eps, 1 + eps_high) * A)  (+ kl_coef * k3_t)
         k3_t = pi_ref / pi_theta - 1 - log(pi_ref / pi_theta)   (KL to a reference; Sparse-RL 1e-4)
@@ -277,12 +280,19 @@ def policy_loss(logp, logp_old, advantages, mask, weights=None, clip=0.2, clip_h
     Single-step on-policy GRPO has r_t == 1 on the first update (pi_theta is pi_old), so the clip
     is inactive there and the gradient is -w_t * A * grad log pi_theta; r_t moves away from 1 only
     on later updates of the same batch. rho (compression) and r (staleness) are separate ratios.
-    agg "seq-mean" (GRPO, Sparse-RL): mean over each response's kept tokens, then over the
-    responses that kept any; "token-mean" (DAPO): one mean over all kept tokens.
-    Returns (loss scalar, stats): tokens, responses, signal_tokens (kept tokens with A != 0),
-    clip_frac, ratio_mean, weight_mean, kl. No kept token, or no signal: loss 0, gradient 0.
+    Rejection removes tokens from the sum, never from the count: the denominators come from
+    `response_mask`, the responses as sampled (before rejection; default `mask`), as the authors'
+    code divides (slime, PODS). A vetoed response adds 0 and still counts, so vetoes do not
+    enlarge the step of the responses that remain (section 5):
+      agg "seq-mean" (GRPO, Sparse-RL): sum_i [sum_t kept_it * L_it / n_i] / N, with n_i the
+        tokens of response i and N every response given;
+      agg "token-mean" (DAPO): sum_it kept_it * L_it / sum_i n_i.
+    Returns (loss scalar, stats): tokens (kept), responses (that kept any), signal_tokens (kept
+    tokens with A != 0), clip_frac, ratio_mean, weight_mean, kl. No kept token, or no signal:
+    loss 0, gradient 0.
     """
-    check_shapes(logp=logp, logp_old=logp_old, mask=mask)
+    response_mask = mask if response_mask is None else response_mask
+    check_shapes(logp=logp, logp_old=logp_old, mask=mask, response_mask=response_mask)
     weights = torch.ones_like(mask) if weights is None else weights
     check_shapes(logp=logp, weights=weights)
     if logp_ref is not None:
@@ -312,12 +322,11 @@ def policy_loss(logp, logp_old, advantages, mask, weights=None, clip=0.2, clip_h
         # w_t corrects the policy-gradient estimate only; the KL is a separate regulariser
         per_token = per_token + kl_coef * kl
     per_token = per_token.masked_fill(~kept, 0.0)
-    counts = kept.sum(-1)                                                             # [N]
+    counts, sampled = kept.sum(-1), (response_mask > 0).sum(-1)                          # [N] each
     if agg == "seq-mean":
-        has_tokens = counts > 0
-        loss = (per_token.sum(-1) / counts.clamp(min=1)).sum() / has_tokens.sum().clamp(min=1)
+        loss = (per_token.sum(-1) / sampled.clamp(min=1)).sum() / max(len(sampled), 1)
     else:
-        loss = per_token.sum() / counts.sum().clamp(min=1)
+        loss = per_token.sum() / sampled.sum().clamp(min=1)
     n = kept.sum().clamp(min=1)
     stats = dict(tokens=int(kept.sum()), responses=int((counts > 0).sum()),
                  signal_tokens=int((kept & (A != 0)).sum()),

@@ -177,15 +177,18 @@ def update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, 
     for _ in range(args.ppo_epochs):                                 # epochs > 1 or several minibatches: r_t leaves 1
         for batch in torch.randperm(len(rollouts), generator=order).split(args.minibatch or len(rollouts)):
             batch = batch.to(logp_old.device)
-            kept = mask[batch] > 0                                   # the loss is a mean over the minibatch:
-            total = int((kept.any(-1) if args.agg == "seq-mean" else kept).sum()) or 1   # its responses or tokens
+            # the loss is a mean over the minibatch's responses (seq-mean) or tokens (token-mean) as sampled,
+            # rejected ones included (correction.policy_loss): each micro-batch's part is its share of them
+            size = lambda rows: len(rows) if args.agg == "seq-mean" else int((rollouts.mask[rows] > 0).sum())
+            total = size(batch) or 1
             step_loss, step_clip = 0.0, []
             for rows in batch.split(args.micro_batch):
                 logp = C.response_logprobs(model, rollouts.select(rows), args.temperature)
                 loss, stats = C.policy_loss(logp, logp_old[rows], advantages[rows], mask[rows], weights[rows],
                                             args.clip, kl_coef=args.kl,
-                                            logp_ref=None if logp_ref is None else logp_ref[rows], agg=args.agg)
-                share = stats["responses" if args.agg == "seq-mean" else "tokens"] / total
+                                            logp_ref=None if logp_ref is None else logp_ref[rows], agg=args.agg,
+                                            response_mask=rollouts.mask[rows])
+                share = size(rows) / total
                 (loss * share).backward()                            # this micro-batch's part of the mean
                 step_loss += loss.item() * share
                 step_clip.append(stats["clip_frac"])

@@ -158,8 +158,10 @@ def test_importance_weights_by_hand():
 def test_group_advantages_by_hand():
     rewards = torch.tensor([1.0, 0, 0, 1, 2, 2, 2, 2, 0, 0, 0, 3])
     adv, stats = group_advantages(rewards, 4)
-    std2 = math.sqrt(9 / 4 - 0.75 ** 2)  # population std of 0 0 0 3
-    expected = [0.5 / 0.5001, -0.5 / 0.5001, -0.5 / 0.5001, 0.5 / 0.5001, 0, 0, 0, 0,
+    std1 = math.sqrt(4 * 0.25 / 3)                      # sample std (n - 1) of 1 0 0 1
+    std2 = math.sqrt((3 * 0.75 ** 2 + 2.25 ** 2) / 3)     # ... of 0 0 0 3: 1.5
+    a = 0.5 / (std1 + 1e-4)
+    expected = [a, -a, -a, a, 0, 0, 0, 0,
                 -0.75 / (std2 + 1e-4), -0.75 / (std2 + 1e-4), -0.75 / (std2 + 1e-4), 2.25 / (std2 + 1e-4)]
     torch.testing.assert_close(adv, torch.tensor(expected))
     assert stats == dict(groups=3, zero_std_groups=1)
@@ -184,8 +186,22 @@ def test_integer_rewards_give_float_advantages():
     # the rewards' dtype is kept only when it is a float one: long rewards must not truncate A to 0 or +-1
     advantages, _ = group_advantages(torch.tensor([0, 1, 0, 1, 2, 2, 2, 5]), 4)
     assert advantages.dtype == torch.float32
-    assert advantages[:4].tolist() == pytest.approx([-1, 1, -1, 1], abs=1e-3)      # std 0.5
-    assert advantages[4:].tolist() == pytest.approx([-0.577, -0.577, -0.577, 1.732], abs=1e-3)
+    assert advantages[:4].tolist() == pytest.approx([-0.866, 0.866, -0.866, 0.866], abs=1e-3)   # std sqrt(1/3)
+    assert advantages[4:].tolist() == pytest.approx([-0.5, -0.5, -0.5, 1.5], abs=1e-3)          # std 1.5
+
+
+def test_group_std_is_bessel_corrected_as_the_authors_compute_it():
+    # PODS, TRL, verl, slime: torch.std (n - 1). Two rewards {0, 1}: mean 0.5, std sqrt(0.5) = 0.7071,
+    # so A = +-0.5 / 0.7071 = +-0.7071 (the population std, 0.5, would give +-1.0)
+    advantages, _ = group_advantages(torch.tensor([0.0, 1.0, 1.0, 0.0]), 2)
+    assert advantages.tolist() == pytest.approx([-0.5 / (0.5 ** 0.5 + 1e-4), 0.5 / (0.5 ** 0.5 + 1e-4)] * 1
+                                                + [0.5 / (0.5 ** 0.5 + 1e-4), -0.5 / (0.5 ** 0.5 + 1e-4)], abs=1e-6)
+    # three rewards {0, 0, 3}: mean 1, sample variance (1 + 1 + 4) / 2 = 3
+    advantages, _ = group_advantages(torch.tensor([0.0, 0.0, 3.0]), 3)
+    assert advantages.tolist() == pytest.approx([-1 / (3 ** 0.5 + 1e-4)] * 2 + [2 / (3 ** 0.5 + 1e-4)], abs=1e-6)
+    # a group of one has no spread: A = 0, not NaN
+    advantages, _ = group_advantages(torch.tensor([1.0, 0.0]), 1)
+    assert advantages.tolist() == [0.0, 0.0]
 
 
 def test_policy_loss_by_hand():
@@ -200,11 +216,11 @@ def test_policy_loss_by_hand():
     assert (stats["tokens"], stats["responses"], stats["signal_tokens"]) == (5, 2, 5)
     loss, _ = policy_loss(logp, logp_old, adv, mask, weights, agg="token-mean")
     assert loss.item() == pytest.approx((-3.2 + 2.3) / 5, rel=1e-5)
-    # a third, fully rejected response is left out of the mean over responses, not counted as 0
+    # a third response, fully rejected, adds 0 and still counts: the mean is over all 3 (slime, PODS)
     pad = lambda x: torch.cat([x, torch.ones_like(x[:1])])
     loss, stats = policy_loss(pad(logp), pad(logp_old), pad(adv), pad(mask) * torch.tensor([[1.0], [1], [0]]),
-                              pad(weights))
-    assert loss.item() == pytest.approx((-3.2 / 3 + 2.3 / 2) / 2, rel=1e-5) and stats["responses"] == 2
+                              pad(weights), response_mask=pad(mask))
+    assert loss.item() == pytest.approx((-3.2 / 3 + 2.3 / 2) / 3, rel=1e-5) and stats["responses"] == 2
     # clip-higher 0.6: r = 1.5 now lies inside [0.8, 1.6], resp 0 -> -1.5 -1.0 -1.0
     loss, _ = policy_loss(logp, logp_old, adv, mask, weights, clip_high=0.6)
     assert loss.item() == pytest.approx((-3.5 / 3 + 2.3 / 2) / 2, rel=1e-5)
@@ -213,6 +229,27 @@ def test_policy_loss_by_hand():
     loss, stats = policy_loss(logp, logp_old, adv, mask, weights, kl_coef=0.5, logp_ref=logp_ref)
     assert stats["kl"] == pytest.approx(1 - LN2, rel=1e-5)
     assert loss.item() == pytest.approx((-3.2 / 3 + 2.3 / 2) / 2 + 0.5 * (1 - LN2), rel=1e-5)
+
+
+def test_rejection_does_not_enlarge_the_step_of_the_rest():
+    # 8 responses of 2 tokens, on-policy (r = 1), A = +-1; rejection vetoes 4 of them. The authors'
+    # seq-mean (slime: each response's token mean over its sampled tokens, summed, / global batch 8):
+    # d loss / d logp_it = -A_i / (2 * 8) on every kept token, so |grad|_1 = 4 * 2 / 16 = 0.5.
+    # Dividing by the 4 responses left would double it (1.0).
+    logp = torch.full((8, 2), -1.0, requires_grad=True)
+    sampled = torch.ones(8, 2)
+    kept = sampled * torch.tensor([1.0, 0, 1, 0, 1, 0, 1, 0])[:, None]
+    adv = torch.tensor([1.0, -1, -1, 1, 1, -1, -1, 1])
+    grad = grad_of(policy_loss(logp, logp.detach(), adv, kept, response_mask=sampled)[0], logp)
+    assert grad.abs().sum().item() == pytest.approx(0.5, rel=1e-6)
+    assert grad[0].tolist() == pytest.approx([-1 / 16, -1 / 16]) and grad[1].tolist() == [0.0, 0.0]
+    # token-mean (DAPO; slime divides by the response tokens before rejection, 16): the same 0.5
+    grad = grad_of(policy_loss(logp, logp.detach(), adv, kept, agg="token-mean", response_mask=sampled)[0], logp)
+    assert grad.abs().sum().item() == pytest.approx(0.5, rel=1e-6)
+    # one token of response 0 rejected: its mean still divides by the 2 tokens it sampled
+    kept[0, 1] = 0
+    grad = grad_of(policy_loss(logp, logp.detach(), adv, kept, response_mask=sampled)[0], logp)
+    assert grad[0].tolist() == pytest.approx([-1 / 16, 0.0])
 
 
 # ----------------------------------------------------------------------------- 3. gradients
