@@ -116,7 +116,7 @@ def parse_args(argv=None):
                    "the sparse sampler uses: PPO + lambda * KL to the dense policy, or the KL alone")
     g.add_argument("--lora-rank", type=int, default=8, help="rank of the adapter on every linear layer")
     g.add_argument("--lora-lr-scale", type=float, default=distill.LR_SCALE, help="adapter lr = --lr times this")
-    g.add_argument("--distill-lambda", type=float, default=distill.LAMBDA, help="weight of the KL term")
+    g.add_argument("--distill-lambda", type=float, default=distill.LAMBDA, help="weight of the KL term beside PPO (--distill ppo-kl; the KL alone has weight 1)")
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=int, default=d["steps"], help="GRPO steps (smollm2-135m: 5); 0: evaluate only")
     g.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps (and at the start and end)")

@@ -11,7 +11,7 @@ frozen, with a forward that uses the SAME sparsity the sampler used:
     L_phi = L_PPO,sparse + lambda * KL        (--distill ppo-kl; --distill kl keeps the KL alone)
 
 KL is k3 between the sparse+LoRA log-probs and the dense old log-probs (detached) of the sampled
-tokens, token-mean, lambda 1e-3 (Sparrow's configuration). The sparse training forward is the
+tokens, token-mean, lambda 1e-3 (Sparrow's configuration); the KL alone has coefficient 1, as Sparrow's. The sparse training forward is the
 dense forward under a 4D mask that hides, for each response token, what the sampler's cache had
 not kept when it sampled that token (for block top-k: the pages it did not choose): eviction
 equals masking, so with a zero adapter it reproduces the sampler's own log-probs (tested).
@@ -164,20 +164,26 @@ def sparse_logprobs(model, rollouts, temperature=1.0):
 
 # ----------------------------------------------------------------------------- the adapter's loss and step
 
-def distill_loss(logp, rollouts, logp_old, advantages, variant="ppo-kl", lam=LAMBDA, clip=0.2):
+def distill_loss(logp, rollouts, logp_old, advantages, variant="ppo-kl", lam=LAMBDA):
     """L_phi of Sparrow's Algorithm 1 over the response tokens, token-mean; -> (loss, stats: kl, tokens).
 
     logp [N, T]: sparse+LoRA log-probs (with grad); logp_old [N, T]: the dense old policy's (detached);
-    advantages [N]. "ppo-kl": the clipped PPO loss of the sparse sampler against the log-probs it
-    sampled with (rollouts.logprobs), plus lam * k3(pi_old dense / pi_sparse+phi); "kl": the KL alone.
+    advantages [N]. KL = k3(pi_old dense / pi_sparse+phi), token-mean.
+      "ppo-kl": the PPO loss of the sparse sampler + lam * KL. Its old policy is this forward's own
+                log-probs, detached (Sparrow, on-policy: `old_log_prob = log_prob.detach()`), so the
+                ratio is exactly 1, the clip never acts and the term is -A * grad log pi_sparse+phi;
+      "kl":     the KL alone, coefficient 1 (Sparrow's `disable_policy_gradient`: loss = kl). `lam` is
+                not used: gradient clipping and Adam's epsilon are not scale-invariant, so a KL scaled
+                by 1e-3 would barely move the adapter.
     Every sampled token counts, rejected or not: the tokens where the two policies disagree are
     the ones to teach.
     """
     if variant not in ("ppo-kl", "kl"):
         raise ValueError(f"the distillation variant must be 'ppo-kl' or 'kl', got {variant!r}")
-    A = advantages if variant == "ppo-kl" else torch.zeros_like(advantages)
-    loss, stats = C.policy_loss(logp, rollouts.logprobs, A, rollouts.mask, clip=clip, kl_coef=lam,
-                                logp_ref=logp_old, agg="token-mean")
+    if variant == "kl":
+        advantages, lam = torch.zeros_like(advantages), 1.0
+    loss, stats = C.policy_loss(logp, logp.detach(), advantages, rollouts.mask, kl_coef=lam, logp_ref=logp_old,
+                                agg="token-mean")
     return loss, dict(kl=stats["kl"], tokens=stats["tokens"])
 
 
@@ -195,7 +201,7 @@ def step(model, lora, opt, rollouts, logp_old, advantages, args):
             with lora.on():
                 logp = sparse_logprobs(model, part, args.temperature)
             loss, stats = distill_loss(logp, part, logp_old[rows], advantages[rows], args.distill,
-                                       args.distill_lambda, args.clip)
+                                       args.distill_lambda)
             (loss * stats["tokens"] / total).backward()
             loss_sum += loss.item() * stats["tokens"] / total
             kl_sum += stats["kl"] * stats["tokens"] / total

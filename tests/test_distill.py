@@ -87,26 +87,40 @@ def test_the_sparse_forward_needs_what_the_sampler_kept():
 
 
 def test_the_distillation_loss_by_hand():
-    # two responses; the second token of row 0 is padding. KL alone: lam * mean over real tokens of k3,
-    # k3 = rho - 1 - log rho with rho = pi_dense_old / pi_sparse+phi
+    # two responses; the second token of row 0 is padding. KL alone (Sparrow: loss = kl, coefficient 1, whatever
+    # lam says): mean over real tokens of k3, k3 = rho - 1 - log rho with rho = pi_dense_old / pi_sparse+phi
     from sampler import Rollouts
     mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
     rollouts = Rollouts([[1], [1]], torch.zeros(2, 2, dtype=torch.long), mask, torch.zeros(2, 2),
                         torch.zeros(2, 2, 1), torch.zeros(2, 2, 1))
     logp = torch.tensor([[-1.0, -9.0], [-2.0, -0.5]], requires_grad=True)
     logp_old = torch.tensor([[-1.5, 0.0], [-1.0, -0.5]])
-    loss, stats = distill.distill_loss(logp, rollouts, logp_old, torch.tensor([1.0, -1.0]), "kl", lam=0.5)
     k3 = lambda d: math.exp(d) - 1 - d                                  # d = log rho
-    assert loss.item() == pytest.approx(0.5 * (k3(-0.5) + k3(1.0) + k3(0.0)) / 3, rel=1e-5)
-    assert stats["kl"] == pytest.approx((k3(-0.5) + k3(1.0) + k3(0.0)) / 3, rel=1e-5)
+    kl = (k3(-0.5) + k3(1.0) + k3(0.0)) / 3
+    for lam in (0.5, 1e-3):
+        loss, stats = distill.distill_loss(logp, rollouts, logp_old, torch.tensor([1.0, -1.0]), "kl", lam=lam)
+        assert loss.item() == pytest.approx(kl, rel=1e-5) and stats["kl"] == pytest.approx(kl, rel=1e-5)
     loss.backward()
     assert logp.grad[0, 1] == 0 and (logp.grad[mask > 0] != 0).sum() == 2   # log rho 0: no KL gradient
-    # with the PPO term: on-policy (r = 1), its gradient is -A / tokens for each real token
-    logp.grad = None
-    rollouts.logprobs = logp.detach().clone()
-    ppo, _ = distill.distill_loss(logp, rollouts, logp_old, torch.tensor([1.0, -1.0]), "ppo-kl", lam=0.0)
-    ppo.backward()
-    assert torch.allclose(logp.grad, torch.tensor([[-1 / 3, 0.0], [1 / 3, 1 / 3]]))
+    # d k3 / d logp = 1 - rho (rho = exp(logp_old - logp)): at -0.5 -> 1 - e^-0.5, at 1.0 -> 1 - e
+    assert logp.grad[0, 0].item() == pytest.approx((1 - math.exp(-0.5)) / 3, rel=1e-5)
+    assert logp.grad[1, 0].item() == pytest.approx((1 - math.e) / 3, rel=1e-5)
+
+
+def test_the_adapters_ppo_term_is_on_policy_whatever_the_sampler_recorded():
+    # Sparrow's old policy is the sparse forward's own log-probs, detached: ratio 1, gradient -A / tokens on
+    # every real token, however far the log-probs the sampler recorded (before theta's step) lie from them
+    from sampler import Rollouts
+    mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    logp = torch.tensor([[-1.0, -9.0], [-2.0, -0.5]], requires_grad=True)
+    for recorded in (logp.detach().clone(), logp.detach() - 0.7, logp.detach() + 2.0):
+        rollouts = Rollouts([[1], [1]], torch.zeros(2, 2, dtype=torch.long), mask, recorded,
+                            torch.zeros(2, 2, 1), torch.zeros(2, 2, 1))
+        logp.grad = None
+        ppo, _ = distill.distill_loss(logp, rollouts, logp.detach(), torch.tensor([1.0, -1.0]), "ppo-kl", lam=0.0)
+        ppo.backward()
+        assert ppo.item() == pytest.approx((-1 + 1 + 1) / 3, rel=1e-6)   # -r A token-mean, r = 1
+        assert torch.allclose(logp.grad, torch.tensor([[-1 / 3, 0.0], [1 / 3, 1 / 3]]))
 
 
 SMALL = ["--task", "sort", "--digits", "4", "8", "--warmup-steps", "80", "--max-new-tokens", "10", "--eval-size", "32",
