@@ -27,7 +27,7 @@ import torch
 
 import distill
 import tasks
-from correction import acceptance, dense_logprobs  # acceptance: alpha = sum_v min(p_a, p_b) (section 4)
+from correction import ALPHA_TOPK, acceptance, dense_logprobs  # alpha = sum_v min(p_a, p_b) (section 4)
 from kvcache import DENSE, SparseConfig
 from models import load_pretrained, pick_device
 from sampler import generate
@@ -125,15 +125,23 @@ def measure(model, prompts, sparse, max_new_tokens, temperature=1.0, eos_token_i
             adapter=None):
     """Sample with `sparse`, re-score densely -> (alpha [N, T], positions [N, T], -1 off the responses).
 
-    The acceptance sums over the sampler's top-k ids, k = min(vocabulary, 64): exact on small
-    vocabularies, a lower bound on large ones (section 4). With a DistillSparse `adapter`, the
+    The acceptance sums over the sampler's top-k ids, k = min(vocabulary, correction.ALPHA_TOPK), the
+    same k as in training: exact on small vocabularies, a lower bound on large ones (section 4), so the
+    threshold means the same thing in both. With a DistillSparse `adapter`, the
     sampler is theta + phi; the dense policy is always theta alone.
     """
     with adapter.on() if adapter else nullcontext():
         out = generate(model, prompts, sparse, max_new_tokens, temperature, eos_token_id=eos_token_id,
-                       pad_token_id=pad_token_id, seed=seed, logprobs_topk=min(model.config.vocab_size, 64))
+                       pad_token_id=pad_token_id, seed=seed, logprobs_topk=ALPHA_TOPK)
     _, topk_dense = dense_logprobs(model, out, topk=True, temperature=temperature)
     return acceptance(topk_dense, out.topk_logprobs), token_contexts(out)
+
+
+def bins_for(longest_prompt, max_new_tokens, bin_size):
+    """How many length bins of `bin_size` cover every context a response token is sampled at: from 0 to the
+    longest prompt plus `max_new_tokens` - 1. Sized from the prompt too: contexts are prompt + response, so
+    bins sized from `max_new_tokens` alone put a 175-token prompt's whole response in the last bin."""
+    return (longest_prompt + max_new_tokens - 1) // bin_size + 1
 
 
 def token_contexts(rollouts):
@@ -217,7 +225,10 @@ class Controller:
     - a bin whose tail is below `threshold` multiplies a budget by `up` (fast: a collapse is costly).
       Its own if it evicts; if it does not, what it misses was dropped earlier, for good, so the
       latest earlier bin that evicts is raised instead; if none does, eviction is not the cause and
-      nothing moves. A bin evicts if its contexts reach budget + `interval` (the cache compresses there);
+      nothing moves. A bin evicts if its contexts reach budget + `interval` (the cache compresses there).
+      With `page_size` (block top-k) nothing is dropped for good: each step chooses its pages anew, so
+      a failing bin raises its own budget, if its longest context has more pages than it attends
+      (budget // page_size, plus the first and 2 newest); else nothing moves;
     - a bin above `threshold + band`, with no failing bin at or after it, lowers its budget by `step` (slow);
     - bins with fewer than `min_tokens` tokens are left alone; contexts past the last bin count in
       it (its budget holds there); budgets stay in [low, high] and non-decreasing.
@@ -225,12 +236,13 @@ class Controller:
     """
 
     def __init__(self, threshold=THRESHOLD, bin_size=16, bins=8, start=64, low=16, high=4096,
-                 step=8, up=1.5, band=0.03, min_tokens=20, q=0.05, interval=1):
+                 step=8, up=1.5, band=0.03, min_tokens=20, q=0.05, interval=1, page_size=None):
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
         if not 1 <= low <= start <= high:
             raise ValueError(f"need 1 <= low <= start <= high, got {low}, {start}, {high}")
         self.threshold, self.bin_size, self.low, self.high, self.interval = threshold, bin_size, low, high, interval
+        self.page_size = page_size
         self.step, self.up, self.band, self.min_tokens, self.q = step, up, band, min_tokens, q
         self.schedule = piecewise([i * bin_size for i in range(bins)], [start] * bins)
         self.history = []                                             # per update: (budgets, tails)
@@ -262,8 +274,13 @@ class Controller:
         tails, counts, longest = self.measure(alpha, positions)
         budgets, seen = list(self.budgets), [i for i in range(len(tails)) if counts[i] >= self.min_tokens]
         failing = [i for i in seen if tails[i] < self.threshold]
-        evicts = lambda j: j in seen and budgets[j] + self.interval <= longest[j]
-        for j in {i if evicts(i) else max([j for j in range(i) if evicts(j)], default=None) for i in failing} - {None}:
+        if self.page_size:                                            # block top-k: the bin's own pages
+            pages = lambda j: (int(longest[j]) - 1) // self.page_size + 1
+            culprit = lambda i: i if budgets[i] // self.page_size + 3 < pages(i) else None
+        else:                                                         # eviction: the latest bin that dropped
+            evicts = lambda j: j in seen and budgets[j] + self.interval <= longest[j]
+            culprit = lambda i: i if evicts(i) else max([j for j in range(i) if evicts(j)], default=None)
+        for j in {culprit(i) for i in failing} - {None}:
             budgets[j] = min(self.high, int(budgets[j] * self.up + 0.5))
         for i in seen:
             if tails[i] > self.threshold + self.band and not any(f >= i for f in failing):

@@ -116,10 +116,12 @@ class Task:
     reward: Callable = exact_match
     teacher: Callable = None
     lengths: tuple = (12, 20)   # sort, reverse: long enough that a 24-token cache must evict digits
+    longest: Callable = lambda digits: digits   # the longest prompt body with this many digits, in characters
 
 
 TASKS = {
-    "pick": Task("P", make_pick, reward=edit_match, teacher=pick_teacher, lengths=(3, 6)),
+    "pick": Task("P", make_pick, reward=edit_match, teacher=pick_teacher, lengths=(3, 6),
+                 longest=lambda digits: 4 * digits),                     # n digits + up to 3n letters
     "sort": Task("S", digit_task(sorted)),
     "reverse": Task("R", digit_task(lambda digits: digits[::-1])),
 }
@@ -145,6 +147,11 @@ TOY = dict(interval=4, window=4, sink=2, lr=1e-5, bin_size=16)
 TOY_TASKS = dict(pick=dict(TOY, budget=12, max_new_tokens=12, warmup_steps=100),
                  sort=dict(TOY, budget=24, max_new_tokens=24, warmup_steps=400),
                  reverse=dict(TOY, budget=24, max_new_tokens=24, warmup_steps=400))
+
+
+def longest_prompt_chars(task, max_digits):
+    """Characters of the longest prompt `task` makes with at most `max_digits` digits: marker + body + "="."""
+    return 1 + get_task(task).longest(max_digits) + 1
 
 
 def make_examples(task, n, seed, min_digits=None, max_digits=None):

@@ -120,6 +120,23 @@ def test_a_failing_bin_raises_the_bin_whose_eviction_it_suffers():
     assert c.budgets == (20, 32, 110)                                    # contexts past the last bin count in it
 
 
+def test_controller_for_block_topk_raises_the_failing_bin_itself():
+    # Block top-k, pages of 16, budget 128, bins of 128, interval 128. Bin 1 (contexts 128-255) fails at alpha 0.5:
+    # its longest context, 255, has 16 pages, more than the 128 // 16 + 3 = 11 it attends, and nothing was
+    # dropped for good, so bin 1 itself goes up: 128 * 1.5 = 192 (and bin 2 with it: non-decreasing). The
+    # eviction rule (a bin evicts once its contexts reach budget + interval = 256) would find no bin to raise.
+    c = Controller(threshold=0.86, bin_size=128, bins=3, start=128, low=16, interval=128, min_tokens=1,
+                   page_size=16)
+    contexts = torch.tensor([[10, 60, 130, 200, 255]])
+    c.update(torch.tensor([[1.0, 1.0, 0.5, 0.5, 0.5]]), contexts)
+    assert c.budgets == (128, 192, 192)
+    # a failing bin that attends every page of its contexts is dense there: eviction is not the cause
+    c = Controller(threshold=0.86, bin_size=128, bins=2, start=128, low=16, interval=128, min_tokens=1,
+                   page_size=16)
+    c.update(torch.tensor([[1.0, 0.5, 0.5]]), torch.tensor([[10, 130, 175]]))    # 11 pages = 176 tokens: all
+    assert c.budgets == (128, 128)
+
+
 def test_bin_metrics_by_hand():
     alpha = torch.tensor([[1.0, 0.5, 0.25, 0.0], [1.0, 1.0, 0.0, 0.0]])
     contexts = torch.tensor([[3, 4, 20, -1], [5, 6, 7, -1]])            # -1: not a response token
