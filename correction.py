@@ -26,7 +26,11 @@ Shapes: N responses, T response tokens (right-padded), k top-k entries, V vocabu
 """
 import torch
 
+CHUNK_ELEMENTS = 2 ** 27  # re-scoring's vocabulary-sized tensors: at most this many fp32 values a chunk (512 MiB)
 LOG_RHO_CLAMP = 20.0  # rho = exp(clamp(log rho, -20, 20)) keeps every ratio finite (docs/method.md section 1)
+# alpha sums min(p_dense, p_sparse) over the sampler's top-k tokens: exact when k covers the vocabulary, a lower
+# bound below it. Training, evaluation and calibration all use this k, so one threshold (0.86) means one thing.
+ALPHA_TOPK = 64
 
 
 # ----------------------------------------------------------------------------- input checks
@@ -57,7 +61,7 @@ def check_band(low, high):
 
 # ----------------------------------------------------------------------------- re-scoring (section 1)
 
-def response_logprobs(model, rollouts, temperature=1.0, topk=False, **model_kwargs):
+def response_logprobs(model, rollouts, temperature=1.0, topk=False, chunk=None, **model_kwargs):
     """Log-probs of the response tokens under the full prefix, with grad (pi_theta).
 
     Each row is `prompt + response`, right-padded, with natural positions 0, 1, 2, ...;
@@ -65,12 +69,19 @@ def response_logprobs(model, rollouts, temperature=1.0, topk=False, **model_kwar
     (prompt length P_i) is scored at position P_i - 1 + t. Right padding keeps every real
     token's computation identical to an unpadded pass: causal attention never looks ahead.
 
-        logp[i, t] = log_softmax(logits[i, P_i - 1 + t] / temperature)[tokens[i, t]]
+        logp[i, t] = log_softmax(lm_head(h[i, P_i - 1 + t]) / temperature)[tokens[i, t]]
 
     temperature 0 means the sampler was greedy: score at temperature 1, as it recorded.
     Returns logp [N, T] (0 where mask is 0); with topk=True also the log-probs at the
     sampler's `topk_ids`, [N, T, k] (meaningful where mask is 1). `model_kwargs` reach the
     model's attention function (distill.py's sparse forward passes its masks this way).
+
+    Memory: the decoder's hidden states [N, L, H] are computed once; the output layer and the
+    fp32 log-softmax then run `chunk` response positions at a time (default: as many as keep
+    N * chunk * V under CHUNK_ELEMENTS), so the vocabulary-sized part of the peak is about
+    2 * N * chunk * V * 4 bytes (logits and log-probs, fp32) instead of 2 * N * T * V * 4: with
+    Qwen's V = 151936, 32 rows of 4096 tokens would need ~160 GB at once, ~1 GiB a chunk. With
+    grad, each chunk is recomputed in the backward pass (checkpointed) rather than kept.
     """
     tokens, mask, prompts = rollouts.tokens, rollouts.mask, rollouts.prompts
     check_shapes(tokens=tokens, mask=mask, logprobs=rollouts.logprobs)
@@ -78,6 +89,8 @@ def response_logprobs(model, rollouts, temperature=1.0, topk=False, **model_kwar
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if len(prompts) != tokens.shape[0] or min(map(len, prompts)) < 1:
         raise ValueError(f"need {tokens.shape[0]} non-empty prompts for {tokens.shape[0]} responses")
+    if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be a positive integer (response positions at a time), got {chunk!r}")
     device = model.device
     N, T = tokens.shape
     lengths = torch.tensor([len(p) for p in prompts], device=device)    # P_i
@@ -90,25 +103,32 @@ def response_logprobs(model, rollouts, temperature=1.0, topk=False, **model_kwar
         ids[i, P:P + T] = tokens[i]
         attention_mask[i, :P] = 1
         attention_mask[i, P:P + T] = (mask[i] > 0).long()
-    # Logits only where a response token is predicted: positions min(P) - 1 .. L - 2, shared by
-    # all rows (a 1-D `logits_to_keep` works across transformers 5.x), then each row picks its own T.
-    first = int(lengths.min()) - 1
     positions = torch.arange(L, device=device).expand(N, L)
-    out = model(input_ids=ids, attention_mask=attention_mask, position_ids=positions,
-                logits_to_keep=torch.arange(first, L - 1, device=device), use_cache=False, **model_kwargs)
-    rows = (lengths - 1 - first)[:, None] + torch.arange(T, device=device)         # [N, T]
-    logits = out.logits[torch.arange(N, device=device)[:, None], rows].float()      # [N, T, V]
-    logp_all = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
-    logp = logp_all.gather(-1, tokens.to(device)[..., None]).squeeze(-1)
-    logp = logp.masked_fill(mask.to(device) == 0, 0.0)
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=attention_mask, position_ids=positions,
+                                 use_cache=False, **model_kwargs).last_hidden_state            # [N, L, H]
+    rows = (lengths - 1)[:, None] + torch.arange(T, device=device)                          # [N, T]
+    h = hidden[torch.arange(N, device=device)[:, None], rows]                               # [N, T, H]
+    head, tokens = model.get_output_embeddings(), tokens.to(device)
+    ids_k = rollouts.topk_ids.to(device) if topk else tokens[..., None]                     # [N, T, k]
+
+    def score(h, tokens, ids_k):       # one chunk of positions: [N, c, H] -> [N, c], [N, c, k]
+        logp_all = torch.log_softmax(head(h).float() / (temperature or 1.0), dim=-1)       # [N, c, V]
+        return logp_all.gather(-1, tokens[..., None]).squeeze(-1), logp_all.gather(-1, ids_k)
+
+    chunk = chunk or max(1, CHUNK_ELEMENTS // (N * model.config.vocab_size))
+    checkpointed = torch.is_grad_enabled() and h.requires_grad
+    parts = [torch.utils.checkpoint.checkpoint(score, *args, use_reentrant=False) if checkpointed else score(*args)
+             for args in zip(h.split(chunk, 1), tokens.split(chunk, 1), ids_k.split(chunk, 1))]
+    logp = torch.cat([p[0] for p in parts], 1).masked_fill(mask.to(device) == 0, 0.0)
     if topk:
-        return logp, logp_all.gather(-1, rollouts.topk_ids.to(device))
+        return logp, torch.cat([p[1] for p in parts], 1)
     return logp
 
 
 @torch.no_grad()
-def dense_logprobs(model, rollouts, batch_size=8, temperature=1.0, topk=False):
-    """pi_old: `response_logprobs` without grad, `batch_size` responses at a time.
+def dense_logprobs(model, rollouts, batch_size=8, temperature=1.0, topk=False, chunk=None):
+    """pi_old: `response_logprobs` without grad, `batch_size` responses at a time (`chunk` positions at a time
+    through the output layer: its docstring has the memory formula).
 
     Returns logp_old [N, T]; with topk=True also the dense log-probs at the sampler's
     top-k ids [N, T, k], for the acceptance measure (section 4).
@@ -117,7 +137,7 @@ def dense_logprobs(model, rollouts, batch_size=8, temperature=1.0, topk=False):
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     N = len(rollouts)
     parts = [response_logprobs(model, rollouts.select(list(range(start, min(start + batch_size, N)))),
-                               temperature, topk) for start in range(0, N, batch_size)]
+                               temperature, topk, chunk) for start in range(0, N, batch_size)]
     if topk:
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     return torch.cat(parts)
