@@ -132,7 +132,10 @@ def parse_args(argv=None):
     g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out "
                    "(with --steps 0: evaluate it)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
-    g.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and activations")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch; none: 1 for the toy model "
+                   "(faster, and unhurt by a neighbour job), torch's default for a --model")
+    g.add_argument("--dtype", default="float32", choices=list(DTYPES), help="precision of the forward passes; "
+                   "bfloat16: under torch.autocast, the weights and AdamW's state kept in fp32")
     args = p.parse_args(argv)
     args.keep = args.keep or args.group_size
     return args
@@ -144,6 +147,8 @@ def check_args(args):
                  "eval_every", "eval_size", "save_every", "lora_rank"]:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1 (or left out: chosen by model size), got {args.threads}")
     if args.minibatch is not None and args.minibatch < 1:
         raise ValueError(f"--minibatch must be >= 1 (or left out: all rollouts), got {args.minibatch}")
     for name in ["steps", "warmup_steps", "veto", "kl", "temperature", "seed", "distill_lambda"]:

@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AttentionInterface
 
 import correction as C
+from models import autocast
 
 LAMBDA = 1e-3       # Sparrow's dense_kl_loss_coef
 ALPHA = 16          # Sparrow's sparse_lora_alpha; the scale of the update is alpha / rank
@@ -198,7 +199,7 @@ def step(model, lora, opt, rollouts, logp_old, advantages, args):
     try:
         for rows in torch.arange(len(rollouts), device=logp_old.device).split(args.micro_batch):
             part = rollouts.select(rows)
-            with lora.on():
+            with lora.on(), autocast(args.dtype, model.device):       # the forward; backward outside
                 logp = sparse_logprobs(model, part, args.temperature)
             loss, stats = distill_loss(logp, part, logp_old[rows], advantages[rows], args.distill,
                                        args.distill_lambda)

@@ -42,17 +42,17 @@ import schedule as S
 from cli import check_args, parse_args
 from evaluate import eval_both, evaluate_only, rewards_of, run_reward
 from kvcache import SparseConfig
-from models import (DTYPES, last_checkpoint, load_checkpoint, load_pretrained, pick_device,
+from models import (autocast, last_checkpoint, load_checkpoint, load_pretrained, pick_device,
                     save_atomically, save_checkpoint, toy_model, warm_up)
 from sampler import generate
-from tasks import ALPHABET, char_tokenizer, encode_prompt, load_jsonl, make_examples
+from tasks import ALPHABET, char_tokenizer, encode_prompt, load_jsonl, longest_prompt_chars, make_examples
 
 
 # ----------------------------------------------------------------------------- the rollout cache
 
-def sparse_config(args, policy=None, budget=None):
-    """The rollout cache: a fixed --budget, a calibrated --schedule, or an online --controller
-    (`policy` and `budget` given: that fixed cache, for an evaluation)."""
+def sparse_config(args, policy=None, budget=None, longest_prompt=0):
+    """The rollout cache: a fixed --budget, a calibrated --schedule, or an online --controller whose bins
+    cover `longest_prompt` + --max-new-tokens (`policy` and `budget` given: that fixed cache, for an evaluation)."""
     fixed = SparseConfig(policy or args.policy, args.budget if budget is None else budget, args.interval, args.window,
                          args.sink)
     if policy is not None:
@@ -60,24 +60,26 @@ def sparse_config(args, policy=None, budget=None):
     if args.schedule:                                                  # replace() checks the schedule's budgets too
         return replace(fixed, schedule=S.Schedule.load(args.schedule))
     if args.controller is not None:
-        bins = -(-args.max_new_tokens // args.bin_size) + 1              # contexts past the last bin use its budget
+        bins = S.bins_for(longest_prompt, args.max_new_tokens, args.bin_size)
+        pages = fixed.page_size if fixed.policy == "blocktopk" else None   # chooses pages, evicts nothing
         return replace(fixed, schedule=S.Controller(args.controller, args.bin_size, bins, start=args.budget,
                                                     low=fixed.min_budget, step=max(1, args.budget // 8),
-                                                    interval=args.interval))
+                                                    interval=args.interval, page_size=pages))
     return fixed
 
 
 # ----------------------------------------------------------------------------- model and data
 
-def load_model(args, device, dtype):
-    """(model, tokenizer): from --model, or the toy model, warmed up once and cached in <out>/warmup.
+def load_model(args, device):
+    """(model with fp32 weights, tokenizer): from --model, or the toy model, warmed up once and cached in
+    <out>/warmup. --dtype bfloat16 runs the forward passes under autocast (models.autocast), not the weights.
 
     The warm-up is saved with the settings it was made with (warmup.json); a cached one made with other
     settings is made anew, never silently reused. RL settings do not count: runs that differ only in
     them share a warm-up.
     """
     if args.model is not None:
-        return load_pretrained(args.model, args.gguf_file, args.cache_dir, device, dtype)
+        return load_pretrained(args.model, args.gguf_file, args.cache_dir, device, torch.float32)
     cached = Path(args.out) / "warmup"
     settings = dict(task=args.task, digits=list(args.digits), warmup_steps=args.warmup_steps, seed=args.seed,
                     alphabet=ALPHABET)
@@ -91,7 +93,7 @@ def load_model(args, device, dtype):
         warm_up(model, tokenizer, args.task, args.warmup_steps, args.digits)
         save_atomically(cached, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp),
                                              (tmp / "warmup.json").write_text(json.dumps(settings))))
-    return load_pretrained(str(cached), device=device, dtype=dtype)
+    return load_pretrained(str(cached), device=device)
 
 
 def load_data(args):
@@ -105,6 +107,13 @@ def load_data(args):
         raise ValueError(f"{args.data} leaves {len(train)} training examples after the {args.eval_size} held out "
                          f"(--eval-size); a step needs --prompts {args.prompts}: pass --eval-data or a smaller --eval-size")
     return train, held_out[: args.eval_size]
+
+
+def longest_prompt(args, train, held_out, tokenizer):
+    """Tokens of the longest prompt the run can meet: its data's, or the toy task's longest possible."""
+    if train is None:
+        return len(encode_prompt(tokenizer, "")) + longest_prompt_chars(args.task, args.digits[1])
+    return max(len(encode_prompt(tokenizer, e["prompt"])) for e in train + held_out)
 
 
 def step_examples(args, train, step):
@@ -122,10 +131,11 @@ def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, st
     t0 = time.perf_counter()
     seed = args.seed * 100_003 + step                                # all of a step's randomness: (seed, step)
     group = [e for e in examples for _ in range(args.group_size)]      # n rollouts per prompt, consecutive
-    with lora.on() if lora else nullcontext():                     # record: what each step saw, for phi's forward
+    with lora.on() if lora else nullcontext(), autocast(args.dtype, model.device):   # record: for phi's forward
         rollouts = generate(model, [encode_prompt(tokenizer, e["prompt"]) for e in group], sparse,
                             args.max_new_tokens, args.temperature, eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=tokenizer.pad_token_id, seed=seed, record=lora is not None)
+                            pad_token_id=tokenizer.pad_token_id, seed=seed, logprobs_topk=C.ALPHA_TOPK,
+                            record=lora is not None)
     rewards = rewards_of(rollouts, group, tokenizer, reward)
     metrics = dict(step=step, reward=rewards.mean().item(), accuracy=(rewards == 1).float().mean().item())
     if args.keep < args.group_size:                                  # PODS: train on the m most informative
@@ -134,7 +144,8 @@ def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, st
     t1 = time.perf_counter()
     # pi_old: the same weights, full prefix (docs/method.md section 1). Even naive training re-scores:
     # the PPO ratio needs pi_old, and the mismatch is measured for every variant.
-    logp_old, topk_old = C.dense_logprobs(model, rollouts, args.micro_batch, args.temperature, topk=True)
+    with autocast(args.dtype, model.device):
+        logp_old, topk_old = C.dense_logprobs(model, rollouts, args.micro_batch, args.temperature, topk=True)
     log_rho = logp_old - rollouts.logprobs                          # rho = pi_old / pi_sparse
     metrics.update(C.mismatch_stats(logp_old, rollouts.logprobs, rollouts.mask, topk_old, rollouts.topk_logprobs,
                                     *args.band))
@@ -152,7 +163,8 @@ def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, st
         weights = C.importance_weights(log_rho, rollouts.mask, args.cap)
     advantages, adv = C.group_advantages(rewards, args.keep, scale=not args.no_std)   # from all rewards
     metrics.update(adv)
-    logp_ref = C.dense_logprobs(ref_model, rollouts, args.micro_batch, args.temperature) if ref_model else None
+    with autocast(args.dtype, model.device):
+        logp_ref = C.dense_logprobs(ref_model, rollouts, args.micro_batch, args.temperature) if ref_model else None
     t2 = time.perf_counter()
     advantages = advantages.to(logp_old.device)
     loss, clip_frac = update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, args, seed)
@@ -183,7 +195,8 @@ def update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, 
             total = size(batch) or 1
             step_loss, step_clip = 0.0, []
             for rows in batch.split(args.micro_batch):
-                logp = C.response_logprobs(model, rollouts.select(rows), args.temperature)
+                with autocast(args.dtype, model.device):                 # the forward; backward outside
+                    logp = C.response_logprobs(model, rollouts.select(rows), args.temperature)
                 loss, stats = C.policy_loss(logp, logp_old[rows], advantages[rows], mask[rows], weights[rows],
                                             args.clip, kl_coef=args.kl,
                                             logp_ref=None if logp_ref is None else logp_ref[rows], agg=args.agg,
@@ -203,6 +216,13 @@ def update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, 
 
 # ----------------------------------------------------------------------------- the run
 
+def threads(args):
+    """CPU threads for torch: --threads, else one for the toy model, whose ops are too small to share out (16 s
+    a 40-step run on one thread, 17 s on two, idle; beside another torch job two threads wait on each other:
+    15 minutes), and torch's own choice for a real model, whose matrix products do split."""
+    return args.threads or (1 if args.model is None else torch.get_num_threads())
+
+
 def truncate_log(path, last_step):
     """Keep the lines of a JSONL log up to `last_step` (a resumed run rewrites what came after). A line that
     is not JSON, such as one half written when the run was killed, is dropped."""
@@ -220,7 +240,6 @@ def truncate_log(path, last_step):
 def main(argv=None):
     """Run training as the command line says; returns the trained model and the final evaluation."""
     args = parse_args(argv)
-    dtype = DTYPES[args.dtype]
     out = Path(args.out)
     torch.manual_seed(args.seed)
     start_time = time.time()
@@ -232,15 +251,18 @@ def main(argv=None):
                  for b in args.eval_budgets or [args.budget]] if args.steps == 0 else []
         train, held_out = load_data(args)
         out.mkdir(parents=True, exist_ok=True)
-        model, tokenizer = load_model(args, device, dtype)
+        torch.set_num_threads(threads(args))
+        model, tokenizer = load_model(args, device)
     except ValueError as error:
         sys.exit(f"error: {error}")
+    if args.controller is not None:                                  # its bins: prompt + response, in tokens
+        sparse = sparse_config(args, longest_prompt=longest_prompt(args, train, held_out, tokenizer))
     reward = run_reward(args)
     controller = sparse.schedule if isinstance(sparse.schedule, S.Controller) else None
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl > 0 else None
     start, state = 0, {}
     if args.resume and (ckpt := last_checkpoint(out)):
-        model, state = load_checkpoint(ckpt, device, dtype)
+        model, state = load_checkpoint(ckpt, device, torch.float32)
         start = state["step"]
         print(f"resuming from {ckpt} (step {start})")
     elif last_checkpoint(out) and args.steps > 0:
@@ -253,7 +275,8 @@ def main(argv=None):
     if state:
         restore(state, ckpt, args, opt, lora, lora_opt, controller)
     if args.steps == 0:                                                # evaluate only
-        results = evaluate_only(model, tokenizer, held_out, reward, evals, args.max_new_tokens, lora)
+        with autocast(args.dtype, device):
+            results = evaluate_only(model, tokenizer, held_out, reward, evals, args.max_new_tokens, lora)
         print(f"wall time: {time.time() - start_time:.1f} s")
         return model, results
     for log in ("metrics.jsonl", "eval.jsonl"):
@@ -262,7 +285,8 @@ def main(argv=None):
           f"rollouts (train on {args.keep}); {args.steps} steps on {device}")
 
     def run_eval(step):
-        result = dict(step=step, **eval_both(model, tokenizer, held_out, reward, sparse, args.max_new_tokens, lora))
+        with autocast(args.dtype, device):
+            result = dict(step=step, **eval_both(model, tokenizer, held_out, reward, sparse, args.max_new_tokens, lora))
         with open(out / "eval.jsonl", "a") as f:
             f.write(json.dumps(result) + "\n")
         return result

@@ -418,6 +418,24 @@ def test_response_logprobs_has_gradient_and_matches_dense(tiny_llama):
     tiny_llama.zero_grad()
 
 
+def test_chunked_rescoring_equals_one_pass(tiny_llama):
+    # the output layer and log-softmax a few positions at a time give what one pass over all T gives,
+    # log-probs, top-k and (through the checkpointed chunks) gradients alike
+    rollouts, _ = hand_rollouts()
+    whole = dense_logprobs(tiny_llama, rollouts, batch_size=3, topk=True, chunk=6)
+    for chunk in (1, 4):
+        parts = dense_logprobs(tiny_llama, rollouts, batch_size=3, topk=True, chunk=chunk)
+        for a, b in zip(parts, whole):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    grads = []
+    for chunk in (6, 1):
+        tiny_llama.zero_grad()
+        (response_logprobs(tiny_llama, rollouts, chunk=chunk) * torch.arange(1.0, 7.0)).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in tiny_llama.parameters() if p.grad is not None]))
+    tiny_llama.zero_grad()
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
+
+
 def test_dense_logprobs_matches_the_sampler_only_without_eviction(tiny_llama):
     from kvcache import SparseConfig
     from sampler import generate

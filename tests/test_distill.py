@@ -131,7 +131,7 @@ SMALL = ["--task", "sort", "--digits", "4", "8", "--warmup-steps", "80", "--max-
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
     out = tmp_path_factory.mktemp("warm")
-    train.load_model(train.parse_args(SMALL + ["--out", str(out)]), torch.device("cpu"), torch.float32)
+    train.load_model(train.parse_args(SMALL + ["--out", str(out)]), torch.device("cpu"))
     return out / "warmup"
 
 

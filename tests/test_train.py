@@ -10,8 +10,10 @@ from transformers import AutoModelForCausalLM
 import models
 import schedule as S
 import train
+from kvcache import SparseConfig
 from evaluate import accuracy, eval_rewards
-from tasks import reward_fn
+from correction import ALPHA_TOPK
+from tasks import char_tokenizer, encode_prompt, make_examples, reward_fn
 
 # Short prompts (4-8 digits) so that a warm-up of 80 steps takes seconds; shared by the tests below.
 SMALL = ["--task", "sort", "--digits", "4", "8", "--warmup-steps", "80", "--max-new-tokens", "10", "--eval-size", "32",
@@ -26,7 +28,7 @@ def warm(tmp_path_factory):
     """A folder holding the cached warm-up of the small toy model (built once for the module)."""
     out = tmp_path_factory.mktemp("warm")
     args = train.parse_args(SMALL + ["--out", str(out)])
-    train.load_model(args, torch.device("cpu"), torch.float32)
+    train.load_model(args, torch.device("cpu"))
     return out / "warmup"
 
 
@@ -317,10 +319,10 @@ def test_steps_0_evaluates_the_warm_up_dense_and_under_each_cache(tmp_path, warm
 def test_a_warm_up_made_with_other_settings_is_made_anew(tmp_path, warm, capsys):
     shutil.copytree(warm, tmp_path / "warmup")
     args = train.parse_args(SMALL + ["--out", str(tmp_path), "--lr", "1e-3", "--policy", "h2o"])
-    train.load_model(args, torch.device("cpu"), torch.float32)         # RL settings differ: shared
+    train.load_model(args, torch.device("cpu"))         # RL settings differ: shared
     assert "making a new warm-up" not in capsys.readouterr().out
     args = train.parse_args(SMALL + ["--out", str(tmp_path), "--task", "reverse", "--warmup-steps", "2"])
-    model, _ = train.load_model(args, torch.device("cpu"), torch.float32)
+    model, _ = train.load_model(args, torch.device("cpu"))
     assert "making a new warm-up" in capsys.readouterr().out
     made = json.loads((tmp_path / "warmup" / "warmup.json").read_text())
     assert made["task"] == "reverse" and made["warmup_steps"] == 2
@@ -336,3 +338,63 @@ def test_help_shows_the_value_each_flag_will_have(capsys):
         assert shown in budget
         for flag in ("--interval", "--window", "--sink", "--bin-size", "--max-new-tokens", "--lr"):
             assert "(default: None)" not in text[text.index(flag + " "):][:300].split(" --")[0], flag
+
+
+def test_controller_bins_cover_the_prompt_and_the_response():
+    # SmolLM2 on its arithmetic data: prompts of 173-175 tokens, 128 new tokens, bins of 64. Contexts run from
+    # 173 to 175 + 127 = 302, so the bins are 0, 64, ..., 256 (5); sized from the 128 new tokens alone (3 bins)
+    # every token fell in the last one.
+    args = train.parse_args(["--controller", "0.86", "--bin-size", "64", "--max-new-tokens", "128", "--budget", "128"])
+    assert train.sparse_config(args, longest_prompt=175).schedule.bins == (0, 64, 128, 192, 256)
+
+
+def test_the_longest_toy_prompt_by_brute_force():
+    # pick with 6 digits: bos + "P" + 6 digits + up to 18 letters + "=" = 27 tokens; sort 4-8 digits: 1 + 1 + 8 + 1
+    tok = char_tokenizer()
+    for task, digits in (("pick", [3, 6]), ("sort", [4, 8])):
+        args = train.parse_args(["--task", task, "--digits", *map(str, digits)])
+        seen = max(len(encode_prompt(tok, e["prompt"])) for e in make_examples(task, 3000, 1, *digits))
+        assert train.longest_prompt(args, None, None, tok) == seen == {"pick": 27, "sort": 11}[task]
+
+
+def test_training_and_calibration_measure_alpha_with_one_k(monkeypatch):
+    # the 0.86 threshold is held in training and in calibration: both must sum alpha over the same top-k
+    seen = []
+    real = S.generate
+
+    def spy(*a, **k):
+        seen.append(k.get("logprobs_topk"))
+        return real(*a, **k)
+    model = models.toy_model(char_tokenizer())
+    monkeypatch.setattr(S, "generate", spy)
+    S.measure(model, [[1, 5, 6]], SparseConfig("snapkv", budget=8, interval=2, window=2, sink=2), 4)
+    monkeypatch.setattr(train, "generate", spy)
+    args = train.parse_args(SMALL)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    train.rl_step(model, None, opt, char_tokenizer(), make_examples("sort", 4, 5, 4, 8), reward_fn("sort"),
+                  train.sparse_config(args), args, 1)
+    assert seen == [64, 64] and ALPHA_TOPK == 64
+
+
+def test_threads_by_model_size():
+    assert train.threads(train.parse_args([])) == 1                                  # the toy model
+    assert train.threads(train.parse_args(["--threads", "3"])) == 3
+    assert train.threads(train.parse_args(["--model", "org/name"])) == torch.get_num_threads()
+
+
+def test_bf16_moves_the_weights_as_fp32_does_and_saves_a_plain_checkpoint(tmp_path, warm):
+    # two AdamW steps at lr 1e-6: fp32 weights take steps of ~1e-6 (Adam normalises the gradient); weights stored
+    # in bf16 (8 bits of mantissa: a step below ~half a unit in the last place rounds away) would barely move.
+    # --dtype bfloat16 keeps fp32 weights and runs the forwards under autocast: the same share must move.
+    start = AutoModelForCausalLM.from_pretrained(warm)
+    moved = {}
+    for dtype in ("float32", "bfloat16"):
+        model, _, _ = run_in(tmp_path / dtype, warm, "--steps", "2", "--lr", "1e-6", "--dtype", dtype,
+                             "--eval-every", "1000", "--eval-size", "8")
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        changed = sum(int((p.detach() != q).sum()) for p, q in zip(model.parameters(), start.parameters()))
+        moved[dtype] = changed / sum(p.numel() for p in start.parameters())
+        saved = AutoModelForCausalLM.from_pretrained(tmp_path / dtype / "step-000002")     # plain transformers
+        torch.testing.assert_close(saved.state_dict(), model.state_dict(), atol=0, rtol=0)
+    assert moved["float32"] > 0.5                                         # nearly every weight with a gradient
+    assert moved["float32"] / 2 <= moved["bfloat16"] <= moved["float32"] * 2
