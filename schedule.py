@@ -29,7 +29,7 @@ import distill
 import tasks
 from correction import ALPHA_TOPK, acceptance, dense_logprobs  # alpha = sum_v min(p_a, p_b) (section 4)
 from kvcache import DENSE, SparseConfig
-from models import load_pretrained, pick_device
+from models import DTYPES, autocast, load_pretrained, pick_device
 from sampler import generate
 from tasks import TOY_TASKS
 
@@ -371,6 +371,8 @@ def main(argv=None):
     g.add_argument("--dense-layers", type=int, default=2, help="blocktopk dense layers")
     g.add_argument("--out", default="results/schedule.json", help="where the schedule is written")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
+    g.add_argument("--dtype", default="float32", choices=list(DTYPES), help="precision of the forward passes, as "
+                   "train.py's (bfloat16: under autocast)")
     g = p.add_argument_group("cost model (docs/method.md section 6)")
     g.add_argument("--speedup", metavar="SCHEDULE.json", help="predicted speedup of a schedule for Qwen3 shapes")
     g.add_argument("--context", type=int, default=32768, help="tokens generated")
@@ -388,7 +390,8 @@ def main(argv=None):
             if getattr(args, name, 0) is None:
                 setattr(args, name, value)
         try:
-            model, tok = load_pretrained(args.model, device=pick_device(args.device))
+            device = pick_device(args.device)
+            model, tok = load_pretrained(args.model, device=device)
         except ValueError as error:
             p.error(str(error))
         adapter = distill.LoRA.from_file(model, args.adapter) if args.adapter else None
@@ -397,9 +400,10 @@ def main(argv=None):
         sparse = SparseConfig(args.policy, interval=args.interval, window=args.window, sink=args.sink,
                               page_size=args.page_size, dense_layers=args.dense_layers,
                               budget=min(int(c) for c in args.candidates.split(",")))
-        schedule, rows = calibrate(model, prompts, [int(c) for c in args.candidates.split(",")], args.threshold,
-                                   args.bin_size, sparse, args.max_new_tokens, eos_token_id=tok.eos_token_id,
-                                   pad_token_id=tok.pad_token_id or 0, adapter=adapter)
+        with autocast(args.dtype, device):
+            schedule, rows = calibrate(model, prompts, [int(c) for c in args.candidates.split(",")], args.threshold,
+                                       args.bin_size, sparse, args.max_new_tokens, eos_token_id=tok.eos_token_id,
+                                       pad_token_id=tok.pad_token_id or 0, adapter=adapter)
         candidates = sorted(set(int(c) for c in args.candidates.split(",")))
         print(f"Tail alpha (p05) per context bin at each constant candidate budget ({args.policy}), then the "
               f"chosen budget (the smallest holding {args.threshold}, non-decreasing) and the tail re-measured "

@@ -211,3 +211,21 @@ def test_schedule_files_round_trip_and_bad_files_are_named(tmp_path):
     for name in ("bad.json", "keys.json", "missing.json"):
         with pytest.raises(ValueError, match=f"cannot read a schedule from .*{name}"):
             Schedule.load(tmp_path / name)
+
+
+def test_calibrate_command_line_takes_device_and_dtype(tmp_path, capsys):
+    # as train.py: --device and --dtype (bfloat16 under autocast); a random toy model holds no budget, so every
+    # bin ends dense or at a candidate, and the schedule file reads back
+    import json
+
+    import schedule
+    from models import toy_model
+    from tasks import char_tokenizer
+    tok = char_tokenizer()
+    toy_model(tok).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    (tmp_path / "m" / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4])))
+    schedule.main(["--calibrate", "--model", str(tmp_path / "m"), "--prompts", "4", "--candidates", "8,12",
+                   "--device", "cpu", "--dtype", "bfloat16", "--out", str(tmp_path / "s.json")])
+    assert set(Schedule.load(tmp_path / "s.json").budgets) <= {8, 12, None}
+    assert "wrote" in capsys.readouterr().out
