@@ -2,7 +2,7 @@
 
     python bench.py                  # the full measurement (CPU: about 25 minutes on 2 cores)
     python bench.py --quick          # the same code on a tiny model, in seconds (tests/test_bench.py)
-    python bench.py --out results/bench.json --repeats 3
+    python bench.py --gpu --out $OUT/bench_gpu.md   # the one-GPU bench, bench_gpu.py (under 10 minutes on an H100)
     python bench.py --model smollm2-135m   # a real pretrained model (train.py's --model), ~10 minutes
 
 One run measures, on the CPU, and prints five markdown tables plus a JSON file:
@@ -111,7 +111,7 @@ def cpu_jiffies():
 def run_clocks(model):
     """The clocks of a run, HF's and ours alike: timestamps of every forward pass (prefill, then one per decode
     step), and the cores that other processes kept busy, on average, during the block (its disturbance).
-    On CUDA each stamp synchronises, which stalls the queue: time whole windows there instead."""
+    On CUDA each stamp synchronises, which stalls the queue: bench_gpu.py times whole windows instead."""
     stamps, others, before, start = [], [None], cpu_jiffies(), time.perf_counter()
     handle = model.register_forward_pre_hook(lambda *args: stamps.append(clock(model.device)))
     try:
@@ -404,6 +404,7 @@ def cpu_name():
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model, seconds instead of minutes")
+    parser.add_argument("--gpu", action="store_true", help="the one-GPU bench instead (bench_gpu.py; --quick: tiny)")
     parser.add_argument("--out", default=None, help="where the JSON record goes "
                         "(default results/bench.json, or results/bench_quick.json with --quick)")
     parser.add_argument("--repeats", type=int, default=None, help="rounds of the throughput runs (median)")
@@ -412,6 +413,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick and args.model:
         parser.error("--quick runs the tiny random model; it cannot be combined with --model")
+    if args.gpu:   # imported here, not at the top: bench_gpu builds on this module
+        import bench_gpu
+        return bench_gpu.main(args)
     s = dict(QUICK) if args.quick else dict(PRETRAINED, model=args.model) if args.model else dict(FULL)
     s["repeats"] = args.repeats or s["repeats"]
     wall = time.perf_counter()
