@@ -46,7 +46,7 @@ GPU = dict(
     warm=8, window=128,                 # decode steps before the timed window, and in it (one interval)
     search_new=8192, search_budget=1024, search_cap=1024, fit_steps=2,   # memory to throughput at 512 + 8192
     rescore_rows=32, rescore_tokens=4096, rescore_batches=(32, 8, 1),    # dense re-scoring, real vocabulary
-    copy_mib=2048, deadline=530,        # bandwidth buffer; seconds after which the remaining rows are skipped
+    copy_mib=2048, deadline=480,        # bandwidth buffer; seconds after which rows not yet begun are skipped
     shape=bench.FULL)                   # bench.py's own shape, for its HF-vs-dense pair
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=512, batch=4, prompt=32, new=64, long_new=128,
             budget=32, interval=8, warm=4, window=16, search_new=96, search_budget=48, search_cap=16, fit_steps=2,
