@@ -427,7 +427,8 @@ def main(args):
         raise SystemExit("bench.py --gpu: torch sees no GPU, and the 1.7B shape on a CPU takes hours (--quick: tiny)")
     out = Path(args.out or "results/bench_gpu.md")
     report, record = Report(out), dict(settings=s, rows={}, shape={}, rescore={}, batch={})
-    machine = f"{bench.cpu_name() if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}"
+    machine = f"{bench.cpu_name()}, CUDA {torch.version.cuda}" if device.type == "cuda" else "CPU"
+    machine += f", torch {torch.__version__}"
     log(f"measuring copy bandwidth on {device}")
     record["bandwidth"] = bandwidth = copy_bandwidth(device, s["copy_mib"])
     model = qwen3_model(s, device)
