@@ -222,7 +222,7 @@ def late(s):
 def measure_row(model, s, sampler, length, extra, bandwidth, weights):
     """One row of table 1: `window_run` as `plan` says, plus the bandwidth share and the KV formulas (bf16)."""
     prompt_len, steps, first = plan(s, sampler, length)
-    log(f"table 1: {sampler} {extra or ''}, {length}: prompt {prompt_len}, {steps} steps")
+    log(f"table 1: {sampler} {extra}, {length}: prompt {prompt_len}, {steps} steps")
     r = window_run(model, s, sampler, prompt_len, steps, extra=extra)
     read = weights + kv_read_bytes(s, sampler, first + s["window"] / 2, s["batch"])
     whole = rollout_kv_tokens(s, sampler, s["new" if length == "any" else length])
