@@ -2,10 +2,10 @@
 
     python bench.py                  # the full measurement (CPU: about 25 minutes on 2 cores)
     python bench.py --quick          # the same code on a tiny model, in seconds (tests/test_bench.py)
-    python bench.py --out results/bench.json --repeats 3
+    python bench.py --gpu --out $OUT/bench_gpu.md   # the one-GPU bench, bench_gpu.py (under 10 minutes on an H100)
     python bench.py --model smollm2-135m   # a real pretrained model (train.py's --model), ~10 minutes
 
-One run measures, on whatever device is present, and prints five markdown tables plus a JSON file:
+One run measures, on the CPU, and prints five markdown tables plus a JSON file:
 1. Throughput: tokens per second of Hugging Face `model.generate` (its dynamic cache), our sampler with
    the full cache, with each eviction policy (budget 256, interval 128) and with block top-k, on a
    random Llama with grouped-query attention (or --model, shorter runs). Each is the median of
@@ -38,7 +38,7 @@ import kvcache
 from kvcache import SparseConfig
 from models import load_pretrained
 from report import markdown
-from sampler import generate
+from sampler import clock, generate
 
 FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, batch=8, prompt=256, new=2048,
             long_new=4096, budget=256, interval=128, repeats=3, long_repeats=1, contexts=(512, 1024, 2048, 4096),
@@ -82,11 +82,17 @@ def build_model(s):
     return model
 
 
-def timed(fn):
-    """(seconds that fn() took, what it returned)."""
-    start = time.perf_counter()
+def timed(fn, device="cpu"):
+    """(seconds that fn() took on `device`, what it returned), on the synchronised `sampler.clock`."""
+    start = clock(device)
     result = fn()
-    return time.perf_counter() - start, result
+    return clock(device) - start, result
+
+
+def rate(work, fn, device="cpu", repeats=5):
+    """`work` per second of fn(): the median of `repeats` synchronised timings after one warm-up call."""
+    fn()
+    return work / statistics.median(timed(fn, device)[0] for _ in range(repeats))
 
 
 def cpu_jiffies():
@@ -104,9 +110,10 @@ def cpu_jiffies():
 @contextmanager
 def run_clocks(model):
     """The clocks of a run, HF's and ours alike: timestamps of every forward pass (prefill, then one per decode
-    step), and the cores that other processes kept busy, on average, during the block (its disturbance)."""
+    step), and the cores that other processes kept busy, on average, during the block (its disturbance).
+    On CUDA each stamp synchronises, which stalls the queue: bench_gpu.py times whole windows instead."""
     stamps, others, before, start = [], [None], cpu_jiffies(), time.perf_counter()
-    handle = model.register_forward_pre_hook(lambda *args: stamps.append(time.perf_counter()))
+    handle = model.register_forward_pre_hook(lambda *args: stamps.append(clock(model.device)))
     try:
         yield stamps, others
     finally:
@@ -122,13 +129,13 @@ def eviction_clock():
     """Seconds spent choosing: `kvcache.compress` (score + keep), `Layer.remember` (window queries) and,
     for block top-k, `kvcache.top_pages` (page scores at every decode step).
 
-    A plain timing wrapper: on a CPU every op finishes before the call returns, so wall time is exact.
+    Each call reads the synchronised clock of its layer's device (every wrapped function takes a Layer first).
     """
     spent = [0.0]
 
     def clocked(fn):
         def wrapper(*args, **kwargs):
-            seconds, result = timed(lambda: fn(*args, **kwargs))
+            seconds, result = timed(lambda: fn(*args, **kwargs), args[0].k_buf.device)
             spent[0] += seconds
             return result
         return wrapper
@@ -149,7 +156,7 @@ def run_hf(model, ids, new):
     with torch.inference_mode(), run_clocks(model) as (stamps, others):
         seconds, out = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                                     max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
-                                                    return_dict_in_generate=True))
+                                                    return_dict_in_generate=True), model.device)
     kv = out.past_key_values   # a dynamic cache only grows: its final size is its peak
     kv_bytes = sum(t.numel() * t.element_size() for layer in kv.layers for t in (layer.keys, layer.values))
     return dict(tokens=out.sequences[:, ids.shape[1]:], seconds=seconds, prefill=stamps[1] - stamps[0],
@@ -161,9 +168,9 @@ def run_ours(model, prompts, policy, new, s, interval=None):
     """Our sampler, greedy, exactly `new` tokens -> dict like `run_hf` plus eviction time and step stamps."""
     sparse = SparseConfig(policy, budget=s["budget"], interval=interval or s["interval"])
     with eviction_clock() as spent, run_clocks(model) as (stamps, others):
-        start = time.perf_counter()
+        start = clock(model.device)
         out = generate(model, prompts, sparse, max_new_tokens=new, temperature=0)
-        end = time.perf_counter()
+        end = clock(model.device)
     assert out.tokens.shape[1] == new, "every run must generate exactly the requested tokens"
     return dict(tokens=out.tokens, seconds=end - start, prefill=stamps[1] - stamps[0], rollouts=out,
                 peak_kv_tokens=out.stats["peak_kv_tokens"], peak_kv_bytes=out.stats["peak_kv_bytes"],
@@ -232,7 +239,7 @@ def overheads(model, rollouts, dense_seconds, rollout_seconds, s, repeats=50):
     One training step here is the learner's part only (re-score the kept rollouts densely, forward
     with grad, loss, backward, AdamW step), not the rollout: the smallest honest denominator.
     """
-    rescore, logp_old = timed(lambda: C.dense_logprobs(model, rollouts, batch_size=s["batch"]))
+    rescore, logp_old = timed(lambda: C.dense_logprobs(model, rollouts, batch_size=s["batch"]), model.device)
     rewards = torch.rand(len(rollouts), generator=torch.Generator().manual_seed(0)).round()  # 0/1, one group
 
     def correct():   # the cheap stages of a step: down-sample, advantages, reject, reweight
@@ -242,17 +249,17 @@ def overheads(model, rollouts, dense_seconds, rollout_seconds, s, repeats=50):
         mask, _ = C.rejection_mask(log_rho, rollouts.mask[keep])
         return keep, advantages, mask, C.importance_weights(log_rho, rollouts.mask[keep])
 
-    times = [timed(correct)[0] for _ in range(repeats)]
+    times = [timed(correct, model.device)[0] for _ in range(repeats)]
     keep, advantages, mask, weights = correct()   # the same every time: the rewards are fixed
     learner = copy.deepcopy(model).train()   # the step changes weights; the measured model stays as it was
     optimizer = torch.optim.AdamW(learner.parameters(), lr=1e-6)
     kept = rollouts.select(keep)
-    start = time.perf_counter()
+    start = clock(model.device)
     old = C.dense_logprobs(learner, kept, batch_size=s["batch"])
     loss, _ = C.policy_loss(C.response_logprobs(learner, kept), old, advantages, mask, weights)
     loss.backward()
     optimizer.step()
-    step = time.perf_counter() - start
+    step = clock(model.device) - start
     return dict(correction_seconds=statistics.median(times), train_step_seconds=step, rescore_seconds=rescore,
                 rescore_vs_dense_rollout=rescore / dense_seconds, rescore_vs_rollout=rescore / rollout_seconds)
 
@@ -265,10 +272,6 @@ def limit(s, dense, n=None, repeats=5):
     per token for attention (q.k and p.v). Norms, rotary, softmax and sampling are not counted.
     Bytes: every step reads all linear weights once and the whole KV cache once.
     """
-    def rate(work, fn):   # work per second, median of `repeats` timed calls after one warm-up call
-        fn()
-        return work / statistics.median(timed(fn)[0] for _ in range(repeats))
-
     n = n or s["mm"]
     a, b, big = torch.randn(n, n), torch.randn(n, n), torch.randn(32 * n * n)
     out = torch.empty_like(big)
@@ -278,18 +281,13 @@ def limit(s, dense, n=None, repeats=5):
     fed = s["prompt"] + s["new"] - 1                       # every token but the last passes the model once
     flops = B * (2 * linear * fed + 4 * L * H * D * fed * (fed + 1) / 2)
     traffic = s["new"] * 4 * linear + sum(kv_formula(s, c) for c in range(s["prompt"], fed + 1))
-    return dict(mm_flops=rate(2 * n ** 3, lambda: torch.mm(a, b)),
-                copy_bytes_per_s=rate(2 * big.numel() * 4, lambda: out.copy_(big)),   # read + write
+    return dict(mm_flops=rate(2 * n ** 3, lambda: torch.mm(a, b), repeats=repeats),
+                copy_bytes_per_s=rate(2 * big.numel() * 4, lambda: out.copy_(big), repeats=repeats),  # read, write
                 decode_flops=flops / dense["seconds"], flops_per_token=2 * linear + 4 * L * H * D * (fed + 1) / 2,
                 decode_bytes_per_s=traffic / dense["seconds"])
 
 
 # ----------------------------------------------------------------------------- the report
-
-def choosing(name, s):
-    """What a sampler's "choosing" time is: eviction every `interval` steps, or pages at every step."""
-    return "pages, every step" if name not in EVICTION else f"evict, interval {s['interval']}"
-
 
 def report(s, results, long, scale, over, lim, wall, machine):
     """Build the printed tables and the JSON record from the measurements."""
@@ -328,7 +326,8 @@ def report(s, results, long, scale, over, lim, wall, machine):
                  ["dense re-scoring (pi_old) of the batch", f"{over['rescore_seconds']:.2f} s",
                   f"the {LONG_POLICY} rollout, the dense rollout",
                   f"{over['rescore_vs_rollout']:.2f}x, {over['rescore_vs_dense_rollout']:.2f}x"]]
-    over_rows += [[f"choosing, {name} ({choosing(name, s)})", "-", "decode time", pct(results[name]["evict_share"])]
+    choosing = {name: "pages, every step" if name not in EVICTION else f"evict, interval {s['interval']}" for name in SPARSE}
+    over_rows += [[f"choosing, {name} ({choosing[name]})", "-", "decode time", pct(results[name]["evict_share"])]
                   for name in SPARSE]
     over_rows += [[f"choosing, {name} (evict, interval 1; {new // 4} new)", "-", "decode time", pct(share)]
                   for name, share in over.get("interval_1", {}).items()]
@@ -405,14 +404,18 @@ def cpu_name():
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model, seconds instead of minutes")
-    parser.add_argument("--out", default=None, help="where the JSON record goes "
-                        "(default results/bench.json, or results/bench_quick.json with --quick)")
+    parser.add_argument("--gpu", action="store_true", help="the one-GPU bench instead (bench_gpu.py; --quick: tiny)")
+    parser.add_argument("--out", default=None, help="where the JSON record goes (default results/bench.json, or "
+                        "results/bench_quick.json with --quick); with --gpu the markdown, the JSON beside it")
     parser.add_argument("--repeats", type=int, default=None, help="rounds of the throughput runs (median)")
     parser.add_argument("--model", default=None, help="a pretrained model instead of the random one: HF "
                         "folder, hub id, GGUF file or smollm2-135m (see models.py); JSON: results/bench_<name>.json")
     args = parser.parse_args(argv)
     if args.quick and args.model:
         parser.error("--quick runs the tiny random model; it cannot be combined with --model")
+    if args.gpu:   # imported here, not at the top: bench_gpu builds on this module
+        import bench_gpu
+        return bench_gpu.main(args)
     s = dict(QUICK) if args.quick else dict(PRETRAINED, model=args.model) if args.model else dict(FULL)
     s["repeats"] = args.repeats or s["repeats"]
     wall = time.perf_counter()

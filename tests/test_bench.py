@@ -5,8 +5,12 @@ import math
 import statistics
 
 import pytest
+import torch
 
 import bench
+import bench_gpu
+import kvcache
+from kvcache import SparseConfig
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +106,79 @@ def test_an_eviction_wrapper_is_removed_after_use():
     with bench.eviction_clock():
         assert bench.kvcache.compress is not compress and bench.kvcache.top_pages is not top_pages
     assert bench.kvcache.compress is compress and bench.kvcache.top_pages is top_pages
+
+
+# ----------------------------------------------------------------------------- bench.py --gpu (bench_gpu.py)
+
+@pytest.fixture(scope="module")
+def gpu_quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_gpu") / "nested" / "bench_gpu.md"
+    record = bench.main(["--gpu", "--quick", "--out", str(out)])
+    return record, out.read_text(), json.loads(out.with_suffix(".json").read_text())
+
+
+def test_gpu_bench_writes_every_row_table_and_target(gpu_quick):
+    record, text, saved = gpu_quick
+    keys = [" ".join([sampler if sampler == bench.HF else f"ours {sampler}", length]) for sampler, length, _ in bench_gpu.ROWS]
+    assert list(record["rows"]) == list(saved["rows"]) == keys
+    for heading in ("### 1.", "### 2.", "### 3.", "### 4.", "### Targets", "Total wall time"):
+        assert heading in text
+    assert "skipped" not in text and " - |" not in text.split("### Targets")[1]   # every target has a number
+    assert all(row["tokens_per_s"] > 0 and row["peak_bytes"] is None for row in record["rows"].values())  # CPU: n/a
+
+
+def test_gpu_bench_kv_columns_equal_the_formula_by_hand(gpu_quick):
+    record, text, _ = gpu_quick
+    rows, s = record["rows"], bench_gpu.TINY            # 2 layers, 2 KV heads of 64 / 4 = 16, batch 4
+    per_token = 2 * 2 * 2 * 16 * 2 * 4                  # K and V * layers * KV heads * head_dim * 2 bytes (bf16) * batch
+    dense = 32 + 64 - 1                                 # prompt + new, the last token never fed
+    assert rows["ours full new"]["rollout_kv_bytes"] == per_token * dense == 97280
+    assert f"| {bench_gpu.size(97280)} |" in next(line for line in text.splitlines() if line.startswith("| ours full | 32+64"))
+    prompt_len, steps, _ = bench_gpu.plan(s, "full", "new")   # prefill to the mean context, then warm + window
+    assert rows["ours full new"]["kv_tokens"] == rows["HF generate new"]["kv_tokens"] == prompt_len + steps - 1
+    assert rows["ours full new"]["kv_formula_bytes"] == per_token * (prompt_len + steps - 1)
+    for name in bench.EVICTION:                         # budget 32 + interval 8, at any length
+        assert rows[f"ours {name} any"]["kv_tokens"] == 40 and rows[f"ours {name} any"]["rollout_kv_bytes"] == per_token * 40
+
+
+def test_largest_batch_doubles_then_bisects_to_the_known_answer():
+    found, tries = bench_gpu.largest_batch(lambda b: b <= 300, start=64, cap=1024)
+    assert 300 - 300 // 16 <= found <= 300 and (found, True) in tries and len(tries) <= 10
+    assert bench_gpu.largest_batch(lambda b: b <= 5, 4, 64)[0] == 5
+    assert bench_gpu.largest_batch(lambda b: b <= 2, 4, 64)[0] == 2                 # below the first try
+    assert bench_gpu.largest_batch(lambda b: True, 4, 16) == (16, [(4, True), (8, True), (16, True)])   # the cap
+    assert bench_gpu.largest_batch(lambda b: False, 4, 16)[0] == 0
+
+
+def test_the_batch_search_allocates_under_a_fake_memory_limit(monkeypatch):
+    """One layer's key buffer may hold 41000 bytes: dense (32 + 96 slots of 2 KV heads x 16 x 2 bytes = 8192 bytes a row)
+    fits 5 rows, SnapKV at budget 48 (+ interval 8 = 56 slots, 3584 bytes a row) 11: found by running the sampler."""
+    real = kvcache.Layer.__init__
+
+    def limited(layer, key, capacity, page_size=None):
+        if key.shape[0] * key.shape[1] * capacity * key.shape[3] * key.element_size() > 41000:
+            raise torch.OutOfMemoryError("fake limit")
+        real(layer, key, capacity, page_size)
+    monkeypatch.setattr(kvcache.Layer, "__init__", limited)
+    s = dict(bench_gpu.TINY)
+    model = bench_gpu.qwen3_model(s, torch.device("cpu"))
+    for policy, expected in (("full", 5), ("snapkv", 11)):
+        sparse, peaks = SparseConfig(policy, budget=s["search_budget"], interval=s["interval"]), {}
+        found, tries = bench_gpu.largest_batch(lambda b: bench_gpu.fits(model, s, sparse, b, peaks), 4, 64)
+        assert found == expected and (expected + 1, False) in tries
+
+
+def test_rows_past_the_deadline_are_written_as_skipped(tmp_path, monkeypatch):
+    monkeypatch.setitem(bench_gpu.TINY, "deadline", 0)
+    record = bench.main(["--gpu", "--quick", "--out", str(tmp_path / "late.md")])
+    text = (tmp_path / "late.md").read_text()
+    skipped = len(bench_gpu.ROWS) + 1 + len(bench_gpu.TINY["rescore_batches"]) + 2   # tables 1, 2, 3, 4
+    assert record["rows"] == {} and text.count("skipped: past the deadline") == skipped
+    assert "| ... and turns it into more tokens/s | - |" in text
+
+
+def test_report_lines_reach_the_file_before_the_run_ends(tmp_path):
+    report = bench_gpu.Report(tmp_path / "new" / "t.md")
+    report.table("### T", ["a", "b"])
+    report.row([1, 2])
+    assert (tmp_path / "new" / "t.md").read_text().endswith("| a | b |\n|---|---|\n| 1 | 2 |\n")

@@ -1,0 +1,450 @@
+"""One GPU, proven: what sparse rollouts buy a 1.7B model on one card, in one command of under 10 minutes.
+
+    PYTHONUNBUFFERED=1 python bench.py --gpu --out $OUT/bench_gpu.md 2>&1 | tee $OUT/bench_gpu.log
+    python bench.py --gpu --quick    # the same code on a tiny shape, in seconds, on any device (tests/test_bench.py)
+
+Its own file because it asks bench.py's questions at a scale where bench.py's method does not fit the time: an
+eager decode step at this shape and batch 64 was measured at ~36 ms on an H100, a minute per 1536-token rollout,
+so no row runs a whole rollout. Instead:
+- A sampler that keeps every token (HF `generate`, our dense, block top-k) is timed over `window` decode steps
+  centred on the mean context of the rollout it stands for (prefill to there, `warm` steps, then the window):
+  its step cost grows linearly with the context, so that is its mean step cost over the rollout.
+- An evicting sampler is timed in its steady state: from the real prompt, past its first compression, over a
+  window of `interval` steps, which holds exactly one compression. That state, and its cost, are the same at
+  every length past budget + interval, so one row stands for 512 + 1536 and 512 + 4096 alike.
+- Peak memory is `torch.cuda.max_memory_allocated` of the measured run, beside the weights + the KV formula.
+- The memory-to-throughput rows find the largest batch of a 512 + 8192 rollout by allocating it (prefill and
+  a few decode steps with the cache sized for the whole rollout; doubling, then bisection), then time each
+  cache at its own batch over the same steps.
+Every timing reads `sampler.clock(device)` (synchronised). Rows are written to --out as they complete, so a
+run cut short keeps what it measured; progress goes to stderr. Measurements, never assertions.
+Time budget, estimated from that step time: start ~30 s, table 1 ~80 s (6-7 s a keep-every-token row, ~10 s an
+evicting one), tables 2-3 ~15 s, table 4 ~100 s (search ~30 s, two runs of ~800 steps): ~4 minutes. Rows not begun
+by `deadline` seconds are written as skipped.
+"""
+import gc
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import bench
+from bench import EVICTION, HF, LONG_POLICY, kv_formula, log, rate, timed
+from correction import dense_logprobs
+from kvcache import SparseConfig
+from report import markdown
+from sampler import Rollouts, clock, generate
+
+# ----------------------------------------------------------------------------- settings
+GPU = dict(
+    layers=28, hidden=2048, heads=16, kv_heads=8, ffn=6144, vocab=151936,  # Qwen3-1.7B: head_dim 128, tied embeddings
+    batch=64, prompt=512, new=1536, long_new=4096,  # the rollouts table 1 stands for: 512 + 1536 and 512 + 4096
+    budget=512, interval=128,                       # eviction (and block top-k's budget)
+    warm=8, window=128,                 # decode steps before the timed window, and in it (one interval)
+    search_new=8192, search_budget=1024, search_cap=1024, fit_steps=2,   # memory to throughput at 512 + 8192
+    rescore_rows=32, rescore_tokens=4096, rescore_batches=(32, 8, 1),    # dense re-scoring, real vocabulary
+    copy_mib=2048, deadline=480,        # bandwidth buffer; seconds after which rows not yet begun are skipped
+    shape=bench.FULL)                   # bench.py's own shape, for its HF-vs-dense pair
+TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=512, batch=4, prompt=32, new=64, long_new=128,
+            budget=32, interval=8, warm=4, window=16, search_new=96, search_budget=48, search_cap=16, fit_steps=2,
+            rescore_rows=4, rescore_tokens=64, rescore_batches=(4, 2), copy_mib=16, deadline=600, shape=bench.QUICK)
+DTYPE = torch.bfloat16
+# The rows of table 1, in the order they run: (sampler, the rollout it stands for: "new" 512 + 1536, "long_new"
+# 512 + 4096, "any" every length past budget + interval; extra generate() arguments). HF and our dense run first,
+# so every later row has its ratios. The captured decode step adds its rows here: ("full", "new", {"captured": True}).
+ROWS = [(HF, "new", {}), ("full", "new", {}), (HF, "long_new", {}), ("full", "long_new", {}),
+        ("streaming", "any", {}), ("h2o", "any", {}), ("snapkv", "any", {}), ("rkv", "any", {}),
+        ("blocktopk", "new", {}), ("blocktopk", "long_new", {})]
+
+
+# ----------------------------------------------------------------------------- the device
+
+def qwen3_model(s, device):
+    """A random Qwen3 of shape `s` (head_dim = hidden / heads, tied embeddings) in bf16 on `device`, eval mode."""
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
+                         num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                         head_dim=s["hidden"] // s["heads"], tie_word_embeddings=True,
+                         max_position_embeddings=s["prompt"] + s["search_new"], eos_token_id=None)
+    with torch.device(device):   # initialised where it runs: 1.7B parameters are slow to initialise on a CPU
+        model = Qwen3ForCausalLM(config)
+    model = model.to(DTYPE).eval()
+    model.generation_config.eos_token_id = None   # every run is full length
+    return model
+
+
+def weight_bytes(model):
+    """Bytes of every parameter, a tied matrix once: what each decode step reads at least once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def copy_bandwidth(device, mib):
+    """Bytes per second of a device-to-device copy of `mib` MiB, read + write counted (synchronised, median of 5)."""
+    src = torch.ones(mib * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    return rate(2 * src.nbytes, lambda: dst.copy_(src), device)
+
+
+def reset_peak(device):
+    """Forget the allocator's peak (CUDA only), after returning what the last run left cached."""
+    if device.type == "cuda":
+        gc.collect()   # a failed try's tensors may sit in reference cycles (its frames)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device):
+    """`torch.cuda.max_memory_allocated` since `reset_peak`; None on a CPU, which keeps no such count."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+class Enough(Exception):
+    """Raised from a forward hook by `fits` to end a rollout early: a fit test needs its allocations, not its tokens."""
+
+
+@contextmanager
+def forward_calls(model, at, action):
+    """Run `action()` before forward pass number `at` (0: the prefill) of every rollout inside the block."""
+    count = [0]
+
+    def hook(*args):
+        if count[0] == at:
+            action()
+        count[0] += 1
+    handle = model.register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def random_ids(s, batch, length, device, seed=1):
+    """Random prompt tokens [batch, length] (ids from 1: 0 is the pad id)."""
+    return torch.randint(1, s["vocab"], (batch, length), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+# ----------------------------------------------------------------------------- one timed window
+
+def window_run(model, s, sampler, prompt_len, steps, budget=None, batch=None, extra=None):
+    """Decode `steps` tokens after `prompt_len` random tokens, greedy; time the last `s["window"]` of them.
+
+    Returns dict: tokens_per_s (batch * window / synchronised seconds), step_s, peak_bytes (None on a CPU),
+    kv_tokens (the most the cache held), tokens [batch, steps].
+    """
+    device, batch, wall = model.device, batch or s["batch"], time.perf_counter()
+    ids = random_ids(s, batch, prompt_len, device)
+    start = []
+    reset_peak(device)
+    with forward_calls(model, steps - s["window"], lambda: start.append(clock(device))):
+        if sampler == HF:
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=steps,
+                                     min_new_tokens=steps, pad_token_id=0, return_dict_in_generate=True)
+            tokens, kv_tokens = out.sequences[:, prompt_len:], out.past_key_values.get_seq_length()
+        else:
+            sparse = SparseConfig(sampler, budget=budget or s["budget"], interval=s["interval"])
+            out = generate(model, ids.tolist(), sparse, max_new_tokens=steps, temperature=0, **(extra or {}))
+            tokens, kv_tokens = out.tokens, out.stats["peak_kv_tokens"]
+        seconds = clock(device) - start[0]
+    return dict(tokens_per_s=batch * s["window"] / seconds, step_s=seconds / s["window"], peak_bytes=peak_bytes(device),
+                kv_tokens=kv_tokens, tokens=tokens, run_seconds=time.perf_counter() - wall)
+
+
+def plan(s, sampler, length, budget=None):
+    """(prompt length, decode steps, the window's first context) of a row, as the module docstring says."""
+    if sampler in EVICTION:   # the first compression feeds call budget + interval - prompt; then steady state
+        skip = max(1, (budget or s["budget"]) + s["interval"] - s["prompt"]) + s["warm"]
+        return s["prompt"], skip + s["window"], s["prompt"] + skip
+    prompt_len = s["prompt"] + s[length] // 2 - s["window"] // 2 - s["warm"]
+    return prompt_len, s["warm"] + s["window"], prompt_len + s["warm"]
+
+
+def kv_read_bytes(s, sampler, context, batch, budget=None):
+    """Bytes of keys and values one decode step reads over all layers, at a mean `context`, in bf16."""
+    budget, D, L = budget or s["budget"], s["hidden"] // s["heads"], s["layers"]
+    per_token = 2 * s["kv_heads"] * D * 2 * batch          # K and V of one layer, every row
+    if sampler in EVICTION:                                # it holds budget .. budget + interval: mean in between
+        return L * per_token * (budget + s["interval"] / 2)
+    if sampler == "blocktopk":   # dense layers read all; the rest their chosen pages + the 2 newest + the first,
+        page, dense = SparseConfig.page_size, SparseConfig.dense_layers   # and the fp32 page key sums they score
+        chosen = min(context, (budget // page + 3) * page)
+        sums = context / page * s["kv_heads"] * D * 4 * batch
+        return per_token * (dense * context + (L - dense) * chosen) + (L - dense) * sums
+    return L * per_token * context
+
+
+def rollout_kv_tokens(s, sampler, new, budget=None):
+    """Tokens per layer and KV head the cache holds at its peak in a whole prompt + `new` rollout."""
+    if sampler in EVICTION:                                # the prefill is kept whole, then budget + interval
+        return max(s["prompt"] + 1, (budget or s["budget"]) + s["interval"])
+    return s["prompt"] + new - 1                           # the last token is sampled, never fed
+
+
+# ----------------------------------------------------------------------------- the report, row by row
+
+def size(n):
+    """Bytes as GiB (or MiB below 1 GiB), or n/a."""
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+class Report:
+    """The markdown file, written a line at a time and flushed, so a run that is cut short keeps its rows."""
+
+    def __init__(self, path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "w")
+
+    def write(self, text):
+        self.file.write(text + "\n")
+        self.file.flush()
+
+    def table(self, title, header):
+        self.write(f"\n{title}\n\n" + markdown(header, []))
+
+    def row(self, cells):
+        self.write("| " + " | ".join(map(str, cells)) + " |")
+
+
+def ratio(a, b):
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+# ----------------------------------------------------------------------------- the measurements
+
+def late(s):
+    """Whether the run is past its deadline: then the remaining rows are written as skipped."""
+    return time.perf_counter() > s["stop_at"]
+
+
+def measure_row(model, s, sampler, length, extra, bandwidth, weights):
+    """One row of table 1: `window_run` as `plan` says, plus the bandwidth share and the KV formulas (bf16)."""
+    prompt_len, steps, first = plan(s, sampler, length)
+    log(f"table 1: {sampler} {extra}, {length}: prompt {prompt_len}, {steps} steps")
+    r = window_run(model, s, sampler, prompt_len, steps, extra=extra)
+    read = weights + kv_read_bytes(s, sampler, first + s["window"] / 2, s["batch"])
+    whole = rollout_kv_tokens(s, sampler, s["new" if length == "any" else length])
+    return dict(r, steps=steps, first=first, bandwidth_share=read / r["step_s"] / bandwidth,
+                kv_formula_bytes=kv_formula(s, r["kv_tokens"], 2), rollout_kv_bytes=kv_formula(s, whole, 2))
+
+
+def table_1(model, s, report, record, bandwidth, weights):
+    """The rows of ROWS at batch `s["batch"]`: tokens/s, ratios, peak memory, KV formulas, bandwidth bound."""
+    report.table(f"### 1. Throughput and memory, batch {s['batch']}, prompt {s['prompt']}, eviction budget "
+                 f"{s['budget']}, interval {s['interval']}; {s['window']} timed decode steps a row",
+                 ["sampler", "stands for", "timed", "tokens/s", "vs HF", f"vs dense {s['prompt']}+{s['new']}",
+                  f"vs dense {s['prompt']}+{s['long_new']}", "peak GPU", "weights + KV (formula)",
+                  "KV of the whole rollout (formula)", "of the bandwidth bound", "tokens = HF"])
+    rows = record["rows"]
+    speed = lambda label, length: rows.get(f"{label} {length}", {}).get("tokens_per_s")
+    for sampler, length, extra in ROWS:
+        label = sampler if sampler == HF else " ".join([f"ours {sampler}"] + [f"{k}={v}" for k, v in extra.items()])
+        stands = "any length" if length == "any" else f"{s['prompt']}+{s[length]}"
+        if late(s):
+            report.row([label, stands, "skipped: past the deadline"] + ["-"] * 9)
+            continue
+        rows[f"{label} {length}"] = r = measure_row(model, s, sampler, length, extra, bandwidth, weights)
+        hf = rows.get(f"{HF} {length}", {}).get("tokens")
+        same = "-" if sampler == HF or hf is None else f"{(r['tokens'] == hf).float().mean().item():.3f}"
+        window = f"{r['steps'] - s['window']}-{r['steps']}"
+        timed_what = (f"steps {window} from {s['prompt']} (holds {s['budget']}-{s['budget'] + s['interval']})"
+                      if sampler in EVICTION else f"context {r['first']}-{r['first'] + s['window']}")
+        vs_dense = [ratio(r["tokens_per_s"], speed("ours full", n)) if length in (n, "any") else "-"
+                    for n in ("new", "long_new")]
+        report.row([label, stands, timed_what, f"{r['tokens_per_s']:.0f}", ratio(r["tokens_per_s"], speed(HF, length)),
+                    *vs_dense, size(r["peak_bytes"]), size(weights + r["kv_formula_bytes"]), size(r["rollout_kv_bytes"]),
+                    f"{100 * r['bandwidth_share']:.1f} %", same])
+
+
+def table_2(s, report, record, device):
+    """bench.py's own shape, random Llama in bf16 on this device: HF generate against our dense sampler."""
+    shape = dict(s["shape"], warm=s["warm"], window=s["window"])
+    report.table(f"### 2. bench.py's own shape ({shape['layers']} layers, {shape['hidden']} wide, batch "
+                 f"{shape['batch']}, {shape['prompt']}+{shape['new']}), bf16", ["sampler", "timed", "tokens/s", "vs HF"])
+    if late(s):
+        report.row(["skipped: past the deadline", "-", "-", "-"])
+        return
+    model = bench.build_model(shape).to(device, DTYPE)
+    for sampler in (HF, "full"):
+        prompt_len, steps, first = plan(shape, sampler, "new")
+        log(f"table 2: {sampler}, prompt {prompt_len}, {steps} steps")
+        r = window_run(model, shape, sampler, prompt_len, steps)
+        record["shape"][sampler] = r["tokens_per_s"]
+        report.row([sampler if sampler == HF else "ours full", f"context {first}-{first + shape['window']}",
+                    f"{r['tokens_per_s']:.0f}", ratio(r["tokens_per_s"], record["shape"][HF])])
+
+
+def table_3(model, s, report, record):
+    """Dense re-scoring (`correction.dense_logprobs`, topk=True as train.py calls it) of rescore_rows rows of
+    rescore_tokens tokens (prompt + response), at each micro-batch: peak memory, or where it ran out."""
+    device, T = model.device, s["rescore_tokens"] - s["prompt"]
+    N, k = s["rescore_rows"], 20
+    report.table(f"### 3. Dense re-scoring, {N} rows x {s['rescore_tokens']} tokens ({s['prompt']} prompt + {T} "
+                 f"response), vocabulary {s['vocab']}",
+                 ["micro-batch", "peak GPU", f"logits of one micro-batch, fp32 (formula)", "seconds"])
+    ids = random_ids(s, N, s["prompt"] + T, device, seed=2)
+    zeros = torch.zeros(N, T, device=device)
+    rollouts = Rollouts(ids[:, :s["prompt"]].tolist(), ids[:, s["prompt"]:], torch.ones(N, T, device=device), zeros,
+                        zeros[..., None].expand(N, T, k), ids[:, s["prompt"]:, None].expand(N, T, k))
+    for batch in s["rescore_batches"]:
+        if late(s):
+            report.row([batch, "skipped: past the deadline", "-", "-"])
+            continue
+        log(f"table 3: re-scoring at micro-batch {batch}")
+        reset_peak(device)
+        try:
+            seconds, _ = timed(lambda: dense_logprobs(model, rollouts, batch_size=batch, topk=True), device)
+            peak = peak_bytes(device)
+        except torch.OutOfMemoryError:
+            seconds, peak = None, "out of memory"
+        record["rescore"][batch] = dict(seconds=seconds, peak_bytes=peak)
+        report.row([batch, peak if seconds is None else size(peak), size(batch * T * s["vocab"] * 4),
+                    "-" if seconds is None else f"{seconds:.2f}"])
+    del rollouts, ids, zeros
+
+
+def fits(model, s, sparse, batch, peaks):
+    """Whether `batch` rows of a prompt + search_new rollout fit: the prefill and `fit_steps` decode steps with the
+    cache sized for the whole rollout (dense: every slot at the prefill; eviction: budget + interval slots)."""
+    def stop():
+        raise Enough
+    ids, fitted = random_ids(s, batch, s["prompt"], model.device).tolist(), True
+    reset_peak(model.device)
+    try:
+        with forward_calls(model, 1 + s["fit_steps"], stop):
+            generate(model, ids, sparse, max_new_tokens=s["search_new"], temperature=0)
+    except Enough:
+        pass
+    except torch.OutOfMemoryError:
+        fitted = False
+    if fitted:
+        peaks[batch] = peak_bytes(model.device)
+    reset_peak(model.device)   # out of the except block: what a failed try held is free now
+    return fitted
+
+
+def largest_batch(fits, start, cap):
+    """The largest batch in [1, cap] for which `fits(batch)` holds (fits must be monotone): doubling from `start`,
+    then bisection until the gap is at most 1/16 of what fits. -> (batch, [(batch tried, fitted), ...])."""
+    tries = []
+
+    def test(batch):
+        tries.append((batch, fits(batch)))
+        return tries[-1][1]
+    low, high, batch = 0, None, min(start, cap)
+    while high is None and low < cap:
+        if test(batch):
+            low, batch = batch, min(2 * batch, cap)
+        else:
+            high = batch
+    while high is not None and high - low > max(1, low // 16):
+        middle = (low + high) // 2
+        low, high = (middle, high) if test(middle) else (low, middle)
+    return low, tries
+
+
+def measure_batch(model, s, sampler, steps, context, bandwidth, weights):
+    """One row of table 4: the largest batch that fits (`fits`, `largest_batch`), then `window_run` at that batch;
+    if the timed run, which passes a compression, does not fit after all, at 1/16 less until it does."""
+    budget, peaks = s["search_budget"], {}
+    sparse = SparseConfig(sampler, budget=budget, interval=s["interval"])
+    log(f"table 4: {sampler}: searching the largest batch")
+    batch, tries = largest_batch(lambda b: fits(model, s, sparse, b, peaks), s["batch"], s["search_cap"])
+    row = dict(batch=batch, found=batch, tries=tries, fit_peak_bytes=peaks.get(batch), tokens_per_s=None)
+    while batch and not late(s):
+        log(f"table 4: {sampler}: {steps} steps at batch {batch}")
+        try:
+            row.update(window_run(model, s, sampler, s["prompt"], steps, budget=budget, batch=batch), batch=batch)
+            break
+        except torch.OutOfMemoryError:
+            batch -= max(1, batch // 16)
+    reset_peak(model.device)
+    if row["tokens_per_s"]:
+        row["bandwidth_share"] = (weights + kv_read_bytes(s, sampler, context, batch, budget)) / row["step_s"] / bandwidth
+    return row
+
+
+def table_4(model, s, report, record, bandwidth, weights):
+    """Memory to throughput: each cache's largest batch at prompt + search_new, and the tokens/s it reaches there."""
+    budget = s["search_budget"]
+    _, steps, first = plan(s, LONG_POLICY, "new", budget)
+    report.table(f"### 4. Memory to throughput: the largest batch whose {s['prompt']}+{s['search_new']} rollout fits "
+                 f"(found by allocating it, cap {s['search_cap']}), and the tokens/s at that batch over decode steps "
+                 f"{steps - s['window']}-{steps} (context {first}-{first + s['window']}: for dense, cheaper than the "
+                 f"rollout's mean context {s['prompt'] + s['search_new'] // 2}; for eviction, its steady state)",
+                 ["cache", "largest batch", "tries (batch: fitted)", "peak GPU there", "KV per row (formula)",
+                  "tokens/s at that batch", "vs dense", "of the bandwidth bound"])
+    for sampler in ("full", LONG_POLICY):
+        label = "ours full" if sampler == "full" else f"ours {sampler}, budget {budget}"
+        if late(s):
+            report.row([label, "skipped: past the deadline"] + ["-"] * 6)
+            continue
+        record["batch"][sampler] = r = measure_batch(model, s, sampler, steps, first + s["window"] / 2, bandwidth, weights)
+        speed, share = r["tokens_per_s"], r.get("bandwidth_share")
+        batch = f"{r['found']}" + (" (the cap)" if r["found"] == s["search_cap"] else "")
+        if r["batch"] != r["found"]:
+            batch += f", timed at {r['batch']}"
+        report.row([label, batch, ", ".join(f"{b}: {'yes' if ok else 'no'}" for b, ok in r["tries"]),
+                    size(r["fit_peak_bytes"]),
+                    size(kv_formula(dict(s, batch=1), rollout_kv_tokens(s, sampler, s["search_new"], budget), 2)),
+                    f"{speed:.0f}" if speed else "-", ratio(speed, record["batch"].get("full", {}).get("tokens_per_s")),
+                    f"{100 * share:.1f} %" if share else "-"])
+
+
+def targets(s, report, record):
+    """The issue's targets, measured in this run (ratios only; `-` where a row was skipped)."""
+    rows, batch, shape = record["rows"], record["batch"], record["shape"]
+    speed = lambda key: rows.get(key, {}).get("tokens_per_s")
+    evicting = [speed(f"ours {name} any") for name in EVICTION]
+    slowest = min(evicting) if all(evicting) else None
+    dense_batch, evict_batch = batch.get("full", {}).get("batch"), batch.get(LONG_POLICY, {}).get("batch")
+    found = [
+        [f"our dense >= 1.0x HF generate, 1.7B shape, bf16 ({s['prompt']}+{s['new']}; {s['prompt']}+{s['long_new']})",
+         "; ".join(ratio(speed(f"ours full {n}"), speed(f"{HF} {n}")) for n in ("new", "long_new"))],
+        ["our dense >= 1.0x HF generate, bench.py's FULL shape, bf16", ratio(shape.get("full"), shape.get(HF))],
+        [f"eviction (slowest of {len(EVICTION)}) >= dense at {s['prompt']}+{s['new']}", ratio(slowest, speed("ours full new"))],
+        [f"eviction (slowest) > dense at {s['prompt']}+{s['long_new']}", ratio(slowest, speed("ours full long_new"))],
+        [f"{LONG_POLICY} at budget {s['search_budget']} fits >= 2x dense's batch at {s['prompt']}+{s['search_new']}",
+         f"{evict_batch} / {dense_batch} = {ratio(evict_batch, dense_batch)}" if dense_batch else "-"],
+        ["... and turns it into more tokens/s", ratio(batch.get(LONG_POLICY, {}).get("tokens_per_s"),
+                                                     batch.get("full", {}).get("tokens_per_s"))]]
+    report.table("### Targets", ["target", "measured"])
+    for row in found:
+        report.row(row)
+    record["targets"] = dict(found)
+
+
+def main(args):
+    """The one-GPU bench (`bench.py --gpu`): tables 1-4 and the targets into args.out, a JSON record beside it."""
+    if args.model or args.repeats:
+        raise SystemExit("bench.py --gpu takes --quick and --out only")
+    s, device = dict(TINY if args.quick else GPU), torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    started = time.perf_counter()
+    s["stop_at"] = started + s["deadline"]   # the deadline as a moment, kept with the settings every table reads
+    if device.type != "cuda" and not args.quick:
+        raise SystemExit("bench.py --gpu: torch sees no GPU, and the 1.7B shape on a CPU takes hours (--quick: tiny)")
+    out = Path(args.out or "results/bench_gpu.md")
+    report, record = Report(out), dict(settings=s, rows={}, shape={}, rescore={}, batch={})
+    machine = f"{bench.cpu_name()}, CUDA {torch.version.cuda}" if device.type == "cuda" else "CPU"
+    machine += f", torch {torch.__version__}"
+    log(f"measuring copy bandwidth on {device}")
+    record["bandwidth"] = bandwidth = copy_bandwidth(device, s["copy_mib"])
+    model = qwen3_model(s, device)
+    record["weight_bytes"] = weights = weight_bytes(model)
+    report.write(f"Machine: {machine}. Model: random Qwen3, {s['layers']} layers, {s['hidden']} wide, {s['heads']} heads"
+                 f" / {s['kv_heads']} KV heads of {s['hidden'] // s['heads']}, vocabulary {s['vocab']}, tied embeddings,"
+                 f" bf16: {size(weights)} of weights. Copy bandwidth (device to device, read + write): "
+                 f"{bandwidth / 1e9:.0f} GB/s. The bandwidth bound of a step: weights + the KV it reads, at that rate.")
+    table_1(model, s, report, record, bandwidth, weights)
+    table_2(s, report, record, device)
+    table_3(model, s, report, record)
+    table_4(model, s, report, record, bandwidth, weights)
+    targets(s, report, record)
+    report.write(f"\nTotal wall time: {time.perf_counter() - started:.0f} s (and the imports before it).")
+    for row in record["rows"].values():
+        row.pop("tokens")
+    record["batch"] = {name: {k: v for k, v in row.items() if k != "tokens"} for name, row in record["batch"].items()}
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
+    return record
