@@ -33,7 +33,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import bench
 from bench import EVICTION, HF, LONG_POLICY, kv_formula, log, rate, timed
-from correction import dense_logprobs
+from correction import ALPHA_TOPK, dense_logprobs
 from kvcache import SparseConfig
 from report import markdown
 from sampler import Rollouts, clock, generate
@@ -280,10 +280,10 @@ def table_3(model, s, report, record):
     """Dense re-scoring (`correction.dense_logprobs`, topk=True as train.py calls it) of rescore_rows rows of
     rescore_tokens tokens (prompt + response), at each micro-batch: peak memory, or where it ran out."""
     device, T = model.device, s["rescore_tokens"] - s["prompt"]
-    N, k = s["rescore_rows"], 20
+    N, k = s["rescore_rows"], ALPHA_TOPK
     report.table(f"### 3. Dense re-scoring, {N} rows x {s['rescore_tokens']} tokens ({s['prompt']} prompt + {T} "
                  f"response), vocabulary {s['vocab']}",
-                 ["micro-batch", "peak GPU", f"logits of one micro-batch, fp32 (formula)", "seconds"])
+                 ["micro-batch", "peak GPU", "logits of one micro-batch unchunked, fp32 (formula)", "seconds"])
     ids = random_ids(s, N, s["prompt"] + T, device, seed=2)
     zeros = torch.zeros(N, T, device=device)
     rollouts = Rollouts(ids[:, :s["prompt"]].tolist(), ids[:, s["prompt"]:], torch.ones(N, T, device=device), zeros,
@@ -302,7 +302,6 @@ def table_3(model, s, report, record):
         record["rescore"][batch] = dict(seconds=seconds, peak_bytes=peak)
         report.row([batch, peak if seconds is None else size(peak), size(batch * T * s["vocab"] * 4),
                     "-" if seconds is None else f"{seconds:.2f}"])
-    del rollouts, ids, zeros
 
 
 def fits(model, s, sparse, batch, peaks):
