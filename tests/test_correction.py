@@ -505,3 +505,13 @@ def test_rejection_mask_geometric_mean_over_real_tokens_of_the_clamped_log_rho()
     new_mask, stats = rejection_mask(log_rho, mask, veto=0.0, low=0.95, high=1.05, mode="geometric")
     assert new_mask.tolist() == [[0, 0], [1, 1]]
     assert stats == dict(vetoed=0, emptied=1, dropped_tokens=1, kept_tokens=2)
+
+
+def test_downsample_random_keeps_m_distinct_rows_of_each_group():
+    # 50 groups of 4, keep 3 at random: in each group 3 different rows of that group, sorted (drawing with
+    # replacement repeats a row in some group), and over the groups every one of the 4 rows gets chosen
+    idx = downsample(torch.zeros(200), 4, 3, rule="random", generator=torch.Generator().manual_seed(0)).view(50, 3)
+    first = torch.arange(50)[:, None] * 4
+    assert ((idx >= first) & (idx < first + 4)).all()
+    assert (idx.diff(dim=-1) > 0).all()
+    assert set((idx - first).flatten().tolist()) == {0, 1, 2, 3}
