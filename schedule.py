@@ -105,7 +105,8 @@ def tail_by_bin(alpha, positions, bin_size, q=0.05):
 
     alpha, positions: same shape (e.g. [N, T]); positions = context length when the token was
     sampled, -1 for tokens to ignore (padding). Bin i holds contexts [i * bin_size, (i + 1) * bin_size).
-    Returns (tails [n_bins] float64, nan where a bin is empty; counts [n_bins] long).
+    Returns (tails [n_bins] float64, nan where a bin is empty; counts [n_bins] long), n_bins = the
+    largest real position // bin_size + 1 (0 when no token is real): no empty trailing bin.
     """
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"q must lie in [0, 1], got {q}")

@@ -504,3 +504,69 @@ def test_dense_logprobs_rejects_bad_input(tiny_llama):
                       rollouts.topk_logprobs, rollouts.topk_ids)
     with pytest.raises(ValueError, match=r"mask has shape \(3, 4\), expected \(3, 6\)"):
         dense_logprobs(tiny_llama, broken)
+
+
+# ----------------------------------------------------------------------------- 7. the lab's edge cases (LAB.md)
+# Mistakes a student writing importance_weights or rejection_mask from the docstring made, or could make, that
+# no test above caught: each test below fails on one of them (LAB.md lists them).
+
+def test_importance_weights_mask_mode_keeps_rho_exactly_at_the_cap():
+    # rho = exp(0) = 1 exactly, at cap 1: masked IS keeps it (rho <= cap), drops 2 and clips nothing
+    log_rho = torch.tensor([[0.0, -LN2, LN2]])            # rho 1, 0.5, 2
+    mask = torch.ones(1, 3)
+    w = importance_weights(log_rho, mask, cap=1.0, normalize=False, mode="mask")
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0.5, 0.0]]))
+    torch.testing.assert_close(importance_weights(log_rho, mask, cap=1.0, normalize=False),
+                               torch.tensor([[1.0, 0.5, 1.0]]))
+
+
+def test_importance_weights_clamp_log_rho_at_20_before_the_cap():
+    # rho = exp(clamp(log rho, -20, 20)) (docs/method.md section 1): log rho 25 counts as e^20, below a
+    # cap of 1e10 (unclamped, e^25 = 7.2e10 would be clipped to 1e10 or, in mask mode, dropped)
+    log_rho = torch.tensor([[25.0, 0.0], [-25.0, 0.0]])
+    mask = torch.ones(2, 2)
+    expected = torch.tensor([[math.exp(20), 1.0], [math.exp(-20), 1.0]])
+    for mode in ("truncate", "mask"):
+        torch.testing.assert_close(importance_weights(log_rho, mask, cap=1e10, normalize=False, mode=mode), expected)
+    # no cap at all: log rho 1000 stays e^20, so the normalised weights are finite: 2 e^20 / (e^20 + 1) and
+    # 2 / (e^20 + 1), mean 1
+    w = importance_weights(torch.tensor([[1000.0, 0.0]]), torch.ones(1, 2), cap=float("inf"))
+    e20 = math.exp(20)
+    torch.testing.assert_close(w, torch.tensor([[2 * e20 / (e20 + 1), 2 / (e20 + 1)]]))
+
+
+def test_importance_weights_keep_the_dtype_of_log_rho():
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    for dtype in (torch.float32, torch.float64):
+        w = importance_weights(torch.tensor([[0.0, LN2, 5.0]], dtype=dtype), mask)
+        assert w.dtype == dtype
+        torch.testing.assert_close(w, torch.tensor([[0.8, 1.2, 0.0]], dtype=dtype))   # 1, 1.5 over their mean 1.25
+
+
+def test_rejection_mask_veto_is_strict_and_the_mask_keeps_its_dtype():
+    # rho = 1 exactly with veto 1.0: not below the veto, so the response stays
+    mask = torch.tensor([[1.0, 1.0]])
+    new_mask, stats = rejection_mask(torch.zeros(1, 2), mask, veto=1.0)
+    assert new_mask.dtype == torch.float32 and new_mask.tolist() == [[1.0, 1.0]] and stats["vetoed"] == 0
+    long_mask, _ = rejection_mask(torch.tensor([[0.0, 2.0]]), mask.long())
+    assert long_mask.dtype == torch.long and long_mask.tolist() == [[1, 0]]    # e^2 leaves the band
+
+
+def test_rejection_mask_geometric_mean_over_real_tokens_of_the_clamped_log_rho():
+    # row 0: one real token, rho 1.1, outside [0.95, 1.05]; a mean over T = 2 slots would give sqrt(1.1) = 1.049, inside
+    # row 1: log rho 30 and -20 clamp to 20 and -20: mean 0, rho 1, kept (unclamped: mean 5, rejected); veto off
+    log_rho = torch.tensor([[math.log(1.1), 0.0], [30.0, -20.0]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    new_mask, stats = rejection_mask(log_rho, mask, veto=0.0, low=0.95, high=1.05, mode="geometric")
+    assert new_mask.tolist() == [[0, 0], [1, 1]]
+    assert stats == dict(vetoed=0, emptied=1, dropped_tokens=1, kept_tokens=2)
+
+
+def test_downsample_random_keeps_m_distinct_rows_of_each_group():
+    # 50 groups of 4, keep 3 at random: in each group 3 different rows of that group, sorted (drawing with
+    # replacement repeats a row in some group), and over the groups every one of the 4 rows gets chosen
+    idx = downsample(torch.zeros(200), 4, 3, rule="random", generator=torch.Generator().manual_seed(0)).view(50, 3)
+    first = torch.arange(50)[:, None] * 4
+    assert ((idx >= first) & (idx < first + 4)).all()
+    assert (idx.diff(dim=-1) > 0).all()
+    assert set((idx - first).flatten().tolist()) == {0, 1, 2, 3}

@@ -229,3 +229,34 @@ def test_calibrate_command_line_takes_device_and_dtype(tmp_path, capsys):
                    "--device", "cpu", "--dtype", "bfloat16", "--out", str(tmp_path / "s.json")])
     assert set(Schedule.load(tmp_path / "s.json").budgets) <= {8, 12, None}
     assert "wrote" in capsys.readouterr().out
+
+
+# 7. the lab's edge cases (LAB.md): each test fails on a mistake a student could make writing tail_by_bin
+
+def test_tail_by_bin_has_one_bin_per_bin_up_to_the_last_real_token():
+    # the largest real position is 31: bins 0-15 and 16-31, no empty third bin; padding (-1, even at 90) is no token
+    alpha = torch.tensor([[0.5, 0.7, 0.9, 0.3, 1.0]], dtype=torch.float64)
+    tails, counts = tail_by_bin(alpha, torch.tensor([[0, 15, 16, 31, -1]]), bin_size=16, q=0.0)
+    assert counts.tolist() == [2, 2] and tails.tolist() == [0.5, 0.3]
+    tails, counts = tail_by_bin(alpha, torch.tensor([[0, 15, 16, 32, -1]]), bin_size=16, q=0.0)
+    assert counts.tolist() == [2, 1, 1] and tails.tolist() == [0.5, 0.9, 0.3]
+    tails, counts = tail_by_bin(torch.ones(2), torch.tensor([-1, -1]), bin_size=16)
+    assert tails.shape == counts.shape == (0,)
+
+
+def test_tail_by_bin_uses_q():
+    alpha = torch.tensor([0.5, 0.1, 0.4, 0.2, 0.3], dtype=torch.float64)
+    positions = torch.zeros(5, dtype=torch.long)
+    # sorted 0.1 .. 0.5; quantile q sits at index 4 q, interpolated linearly (as np.quantile)
+    for q, expected in [(0.0, 0.1), (0.25, 0.2), (0.5, 0.3), (0.1, 0.14), (0.9, 0.46), (1.0, 0.5)]:
+        assert tail_by_bin(alpha, positions, bin_size=16, q=q)[0].item() == pytest.approx(expected, abs=1e-12)
+
+
+def test_tail_by_bin_returns_float64_tails_computed_in_float64_and_long_counts():
+    # float32 alpha in: the quantile is taken in float64, a0 + 0.3 (a1 - a0) with a0, a1 the float32 values
+    alpha = torch.tensor([0.1, 0.7], dtype=torch.float32)
+    tails, counts = tail_by_bin(alpha, torch.tensor([3, 5]), bin_size=16, q=0.3)
+    assert tails.dtype == torch.float64 and counts.dtype == torch.long
+    a0, a1 = alpha.tolist()
+    assert tails.item() == pytest.approx(a0 + 0.3 * (a1 - a0), rel=1e-12)
+    assert tails.item() != pytest.approx(torch.quantile(alpha, 0.3).item(), rel=1e-12)   # float32 is off here

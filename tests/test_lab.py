@@ -1,0 +1,144 @@
+"""lab.py on a temporary git copy of the repository, never on the real files: start then reset gives the
+same bytes, the stub keeps the signature, the docstring and the argument checks, and after `start` the
+exercise's own test command fails."""
+import ast
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lab
+from lab import EXERCISES, LabError, find_function, head_statements
+
+GIT = ["git", "-c", "user.name=lab", "-c", "user.email=lab@example.com"]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    """A committed copy of the repository's files (tracked, and untracked ones git does not ignore)."""
+    root = tmp_path_factory.mktemp("repo")
+    listed = subprocess.run(["git", "-C", str(lab.ROOT), "ls-files", "--cached", "--others", "--exclude-standard"],
+                            capture_output=True, text=True, check=True).stdout.split()
+    for name in listed:
+        if (lab.ROOT / name).is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(lab.ROOT / name, root / name)
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "copy"]):
+        subprocess.run(GIT + command, cwd=root, check=True)
+    return root
+
+
+def load(path, name):
+    """Import one file of the copy as a fresh module (correction.py imports only torch)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_start_then_reset_gives_the_same_bytes(repo):
+    files = {ex.file: (repo / ex.file).read_bytes() for ex in EXERCISES.values()}
+    for n, ex in EXERCISES.items():
+        lab.start(n, repo)
+        assert (repo / ex.file).read_bytes() != files[ex.file]
+        assert "already started" in lab.start(n, repo)            # a second start changes nothing
+    for n in EXERCISES:                                             # all five stubs at once, then all reset
+        lab.reset(n, repo)
+    assert {name: (repo / name).read_bytes() for name in files} == files
+    # the stubs committed (as a student might): reset still finds the original in the history
+    lab.start(4, repo)
+    subprocess.run(GIT + ["commit", "-q", "-am", "stub"], cwd=repo, check=True)
+    lab.reset(4, repo)
+    assert (repo / "schedule.py").read_bytes() == files["schedule.py"]
+    subprocess.run(GIT + ["commit", "-q", "-am", "reset"], cwd=repo, check=True)
+
+
+@pytest.mark.parametrize("n", EXERCISES)
+def test_the_stub_keeps_signature_docstring_and_checks(repo, n):
+    ex = EXERCISES[n]
+    original = find_function((repo / ex.file).read_text(), ex.function)
+    lab.start(n, repo)
+    try:
+        stub = find_function((repo / ex.file).read_text(), ex.function)
+    finally:
+        lab.reset(n, repo)
+    assert ast.dump(stub.args) == ast.dump(original.args)
+    assert ast.get_docstring(stub) == ast.get_docstring(original)
+    kept = head_statements(original)
+    assert [ast.dump(s) for s in stub.body[:-1]] == [ast.dump(s) for s in original.body[:kept]]
+    assert len(stub.body) == kept + 1 and f"exercise {n}:" in ast.unparse(stub.body[-1])
+    # exactly the ValueError checks at the top (the docstring counts 1): none in snapkv
+    assert kept - 1 == {1: 3, 2: 4, 3: 0, 4: 2, 5: 4}[n]   # 5: check_groups, n = group_size, two ifs
+
+
+def test_the_stubs_still_check_their_arguments(repo):
+    for n in (1, 2, 5):
+        lab.start(n, repo)
+    try:
+        stubbed = load(repo / "correction.py", "stubbed_correction")
+    finally:
+        for n in (1, 2, 5):
+            lab.reset(n, repo)
+    z = torch.zeros(2, 3)
+    for call, message in [(lambda: stubbed.importance_weights(z, z, cap=0.0), "cap must be > 0"),
+                          (lambda: stubbed.rejection_mask(z, z, veto=-1.0), "veto must be >= 0"),
+                          (lambda: stubbed.downsample(torch.zeros(8), 4, 5), "m must be an integer")]:
+        with pytest.raises(ValueError, match=message):
+            call()
+    for call, n in [(lambda: stubbed.importance_weights(z, z), 1), (lambda: stubbed.rejection_mask(z, z), 2),
+                    (lambda: stubbed.downsample(torch.zeros(8), 4, 2), 5)]:
+        with pytest.raises(NotImplementedError, match=f"exercise {n}: write the body of"):
+            call()
+
+
+# One interpreter for the five runs (torch and transformers are imported once): each exercise is started,
+# its command's pytest arguments run in-process on fresh imports of the copy's modules, then reset.
+RUN_EACH_STARTED = """
+import json, sys
+from pathlib import Path
+import pytest
+import lab
+root = Path.cwd()
+local = {p.stem for p in root.glob("*.py")} | {p.stem for p in root.glob("tests/*.py")}
+codes = {}
+for n in lab.EXERCISES:
+    lab.start(n, root)
+    for name in [m for m in sys.modules if m.split(".")[0] in local - {"lab"}]:
+        del sys.modules[name]
+    try:
+        codes[n] = int(pytest.main([*lab.test_command(n)[3:], "-x", "-q", "-p", "no:cacheprovider"]))
+    finally:
+        lab.reset(n, root)
+print("exit codes:", json.dumps(codes))
+"""
+
+
+def test_after_start_each_exercise_command_fails(repo):
+    run = subprocess.run([sys.executable, "-c", RUN_EACH_STARTED], cwd=repo, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert 'exit codes: {"1": 1, "2": 1, "3": 1, "4": 1, "5": 1}' in run.stdout, run.stdout[-3000:]   # 1: tests failed
+    for n in EXERCISES:
+        assert f"NotImplementedError: exercise {n}: write the body of" in run.stdout
+    assert lab.test_command(3) == ["python", "-m", "pytest", "tests/test_kvcache.py", "tests/test_policies.py"]
+
+
+def test_bad_exercise_numbers_and_edited_functions_are_clear_errors(repo, capsys):
+    for bad in ("0", "6", "x", ""):
+        with pytest.raises(LabError, match="choose one of 1, 2, 3, 4, 5"):
+            lab.exercise(bad)
+    assert lab.main(["start", "7"]) == 2 and "no exercise '7'" in capsys.readouterr().err
+    assert lab.main(["reset"]) == 2 and "needs an exercise number" in capsys.readouterr().err
+    path = repo / "correction.py"
+    before = path.read_text()
+    path.write_text(before.replace("    return w\n", "    return w * 1\n", 1))   # a student's own version
+    try:
+        with pytest.raises(LabError, match="differs from the committed one"):
+            lab.start(1, repo)
+    finally:
+        lab.reset(1, repo)
+    assert path.read_text() == before
