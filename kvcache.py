@@ -140,10 +140,15 @@ class Layer:
         self.pos_buf[:, :, self.size:end] = pos[:, None, :]
         self.acc_buf[:, :, self.size:end] = 0.0
         self.size = end
-        if self.page_size:   # blocktopk: keep each page's key sum, so choosing pages never reads every key
-            valid, page = pos >= 0, pos.clamp(min=0) // self.page_size                # [B, q]
-            self.page_count.scatter_add_(1, page, valid.long())
-            self.page_sum.scatter_add_(2, page[:, None, :, None].expand_as(key), key.float() * valid[:, None, :, None])
+        if self.page_size:
+            self.add_pages(key, pos)
+
+    def add_pages(self, key, pos):
+        """blocktopk: add new keys [B, H_kv, q, D] at positions [B, q] to their pages' running sums, so
+        choosing pages never reads every key."""
+        valid, page = pos >= 0, pos.clamp(min=0) // self.page_size                    # [B, q]
+        self.page_count.scatter_add_(1, page, valid.long())
+        self.page_sum.scatter_add_(2, page[:, None, :, None].expand_as(key), key.float() * valid[:, None, :, None])
 
     def gather(self, index):
         """The kept keys and values at slots `index` [B, H_kv, n] -> two [B, H_kv, n, D].
@@ -345,7 +350,7 @@ class KVCache(Cache):
         masked = not self.decoding or layer.holes or sliding_window is not None
         keys, values, key_pos = layer.keys, layer.values, layer.pos
         if sparse.policy == "blocktopk" and self.decoding and layer_idx >= sparse.dense_layers:
-            index, key_pos = top_pages(layer, query, self.top, self.top_k)
+            index, key_pos = top_pages(layer, query, self.top, self.top_k, layer.pos)
             (keys, values), masked = layer.gather(index), True
         out, received = attention(query, keys, values, key_pos, self.step_pos, scaling, sliding_window,
                                   masked=masked, weights=sparse.policy == "h2o")
