@@ -29,7 +29,15 @@ of each other. Sampling draws the same noise in both paths (`sampler.sample_toke
 samples the same tokens.
 
     out = generate(model, prompts, SparseConfig("snapkv", budget=512), captured=True)   # sampler.py
+
+Speed, side by side in one run (random Llama weights, greedy, each pair interleaved, median of rounds):
+
+    OMP_NUM_THREADS=1 python static.py                      # bench.py's model shape, on the CPU
+    python static.py --device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 1536 --hf
 """
+import argparse
+import statistics
+
 import torch
 
 from kvcache import DENSE, KVCache, attention
@@ -123,7 +131,7 @@ class StaticCache(KVCache):
         if self.history is not None:
             self.seen[layer_idx].copy_(key_pos)
         if layer_idx == self.num_layers - 1:      # every layer wrote at `cursor`: the next step writes past it
-            self.cursor += 1
+            self.cursor.add_(1)
             self.ring.copy_((self.ring + 1) % sparse.window)
         return out
 
@@ -174,3 +182,68 @@ def capture(step, cache):
         return out
 
     return run
+
+
+# ----------------------------------------------------------------------------- eager vs static, side by side
+
+SHAPES = {  # layers, hidden, heads, kv heads, ffn, vocab
+    "bench": dict(num_hidden_layers=8, hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
+                  intermediate_size=1536, vocab_size=8192),
+    "qwen3-1.7b": dict(num_hidden_layers=28, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8,
+                       intermediate_size=6144, vocab_size=151936, head_dim=128),
+}
+
+
+def main(argv=None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcache import SparseConfig
+    from sampler import clock, generate
+    p = argparse.ArgumentParser(description="tokens/s of the eager and the static decode path, side by side")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--shape", default="bench", choices=SHAPES)
+    p.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on a GPU")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--new", type=int, default=512)
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--interval", type=int, default=128)
+    p.add_argument("--policies", default="full,snapkv,blocktopk")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--hf", action="store_true", help="also time Hugging Face generate (dense, greedy)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
+    torch.manual_seed(0)
+    config = LlamaConfig(max_position_embeddings=args.prompt + args.new + 1, **SHAPES[args.shape])
+    model = LlamaForCausalLM(config).to(device, dtype).eval()
+    ids = torch.randint(1, config.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(1))
+    prompts = ids.tolist()
+    print(f"{args.shape}, {dtype}, {device}, batch {args.batch}, prompt {args.prompt} + {args.new} new, "
+          f"budget {args.budget}, interval {args.interval}, {torch.get_num_threads()} threads; tokens/s, median of {args.rounds}")
+    if args.hf:
+        ids = ids.to(device)
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8, min_new_tokens=8)
+        seconds = []
+        for _ in range(args.rounds):
+            start = clock(device)
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.new,
+                           min_new_tokens=args.new, pad_token_id=0)
+            seconds.append(clock(device) - start)
+        print(f"HF generate, dense: {args.batch * args.new / statistics.median(seconds):.1f}")
+    for policy in args.policies.split(","):
+        sparse = SparseConfig(policy, budget=args.budget, interval=args.interval)
+        speed = {False: [], True: []}
+        for captured in (False, True):                                   # warm-up
+            generate(model, prompts, sparse, max_new_tokens=8, temperature=0, captured=captured)
+        for _ in range(args.rounds):
+            for captured in (False, True):
+                out = generate(model, prompts, sparse, max_new_tokens=args.new, temperature=0, captured=captured)
+                speed[captured].append(out.stats["tokens_per_s"])
+        eager, static = statistics.median(speed[False]), statistics.median(speed[True])
+        print(f"{policy:>10}: eager {eager:8.1f}  static {static:8.1f}  static / eager {static / eager:.2f}x  "
+              f"(rounds: {', '.join(f'{a:.1f}/{b:.1f}' for a, b in zip(speed[False], speed[True]))})")
+
+
+if __name__ == "__main__":
+    main()

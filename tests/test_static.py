@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
+import distill
 import sampler
 from kvcache import SparseConfig
 from reference import hf_greedy, masked_dense_logprobs, tiny_model
@@ -79,10 +80,12 @@ def test_static_dense_greedy_equals_hugging_face():
 
 @pytest.mark.parametrize("sparse", CONFIGS[2:], ids=lambda s: s.policy)
 def test_static_eviction_equals_masking(sparse):
-    # what the static path recorded as attended is what it attended: a dense pass under that mask agrees
+    # what the static path recorded as attended is what it attended: a dense pass under that mask agrees,
+    # and so does DistillSparse's sparse training forward, which reads it from `kept` (--distill)
     model = tiny_model("llama")
     out = generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=1.0, seed=3, record=True, captured=True)
     assert (out.logprobs - masked_dense_logprobs(model, out)).abs().max() < 1e-4
+    assert (distill.sparse_logprobs(model, out).detach() - out.logprobs).abs().max() < 1e-4
 
 
 def test_a_seeded_static_sample_is_reproducible():
