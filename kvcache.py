@@ -140,10 +140,15 @@ class Layer:
         self.pos_buf[:, :, self.size:end] = pos[:, None, :]
         self.acc_buf[:, :, self.size:end] = 0.0
         self.size = end
-        if self.page_size:   # blocktopk: keep each page's key sum, so choosing pages never reads every key
-            valid, page = pos >= 0, pos.clamp(min=0) // self.page_size                # [B, q]
-            self.page_count.scatter_add_(1, page, valid.long())
-            self.page_sum.scatter_add_(2, page[:, None, :, None].expand_as(key), key.float() * valid[:, None, :, None])
+        if self.page_size:
+            self.add_pages(key, pos)
+
+    def add_pages(self, key, pos):
+        """blocktopk: add new keys [B, H_kv, q, D] at positions [B, q] to their pages' running sums, so
+        choosing pages never reads every key."""
+        valid, page = pos >= 0, pos.clamp(min=0) // self.page_size                    # [B, q]
+        self.page_count.scatter_add_(1, page, valid.long())
+        self.page_sum.scatter_add_(2, page[:, None, :, None].expand_as(key), key.float() * valid[:, None, :, None])
 
     def gather(self, index):
         """The kept keys and values at slots `index` [B, H_kv, n] -> two [B, H_kv, n, D].
@@ -262,14 +267,14 @@ class KVCache(Cache):
     `peak_kv_bytes`, `dense_kv_tokens` (what a full cache would hold), `compressions`.
     With `record=True`, `history[layer][step]` holds the kept positions [B, H_kv, S] each step
     attended over (tests rebuild the same attention from it with a dense masked pass), and
-    `attended_tokens`, per decode step, the tokens attended per layer, row and KV head (mean).
+    `attended_tokens`, per decode step, the tokens attended per layer, row and KV head (mean), counted
+    from `history` when asked: counting while decoding would read the device once per layer and step.
     """
 
     def __init__(self, sparse, num_layers, max_new_tokens, seed=0, record=False):
         super().__init__(layers=[])
         self.sparse, self.num_layers, self.max_new_tokens, self.seed = sparse, num_layers, max_new_tokens, seed
         self.history = [[] for _ in range(num_layers)] if record else None
-        self.attended = [] if record else None
         self.row_tokens = self.context = 0     # [B] host tensors from the prefill on
         self.step_pos, self.padded, self.decoding, self.budget = None, False, False, sparse.budget
         self.compressions, self.peak_kv_tokens, self.dense_kv_tokens, self.bytes_per_slot = 0, 0, 0, 0
@@ -310,8 +315,6 @@ class KVCache(Cache):
             pages = (self.context - 1) // sparse.page_size + 1          # for every layer of this step
             top = torch.as_tensor(self.budget) // sparse.page_size + pages.clamp(max=3)   # + first, 2 newest
             self.top, self.top_k = to_device(top, positions.device), int(top.max())
-        if self.attended is not None and self.decoding:
-            self.attended.append(0.0)
 
     def capacity(self, prompt_len):
         """Slots to preallocate: everything for `full`, else what the cache can hold before compressing."""
@@ -347,7 +350,7 @@ class KVCache(Cache):
         masked = not self.decoding or layer.holes or sliding_window is not None
         keys, values, key_pos = layer.keys, layer.values, layer.pos
         if sparse.policy == "blocktopk" and self.decoding and layer_idx >= sparse.dense_layers:
-            index, key_pos = top_pages(layer, query, self.top, self.top_k)
+            index, key_pos = top_pages(layer, query, self.top, self.top_k, layer.pos)
             (keys, values), masked = layer.gather(index), True
         out, received = attention(query, keys, values, key_pos, self.step_pos, scaling, sliding_window,
                                   masked=masked, weights=sparse.policy == "h2o")
@@ -355,8 +358,6 @@ class KVCache(Cache):
             layer.acc_buf[:, :, : layer.size] += received.unflatten(1, (keys.shape[1], -1)).mean(2)
         if self.history is not None:
             self.history[layer_idx].append(key_pos.clone())
-        if self.attended is not None and self.decoding:
-            self.attended[-1] += (key_pos >= 0).sum(-1).float().mean().item() / self.num_layers
         return out
 
     def get_seq_length(self, layer_idx=0):
@@ -367,7 +368,13 @@ class KVCache(Cache):
     kv_bytes = property(lambda self: self.kv_tokens * self.bytes_per_slot)
     peak_kv_bytes = property(lambda self: self.peak_kv_tokens * self.bytes_per_slot)
     dense_kv_bytes = property(lambda self: self.dense_kv_tokens * self.bytes_per_slot)
-    attended_tokens = property(lambda self: self.attended)
+
+    @property
+    def attended_tokens(self):
+        """With record=True: per decode step, the tokens attended per layer, row and KV head (mean); one read."""
+        steps = [torch.stack([(seen >= 0).sum(-1).float().mean() for seen in layer[1:]]) for layer in self.history
+                 if len(layer) > 1]                                  # layer[0] is the prefill
+        return (sum(steps) / self.num_layers).tolist() if steps else []
 
 
 # ----------------------------------------------------------------------------- the hook

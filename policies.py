@@ -153,19 +153,21 @@ def keep_indices(scores, count, n):
 
 # ----------------------------------------------------------------------------- block top-k
 
-def top_pages(layer, query, top, k):
+def top_pages(layer, query, top, k, pos):
     """Sparrow block top-k: the slots one decode query [B, H, 1, D] attends to -> (index, pos), [B, H_kv, S'].
 
     Pages are `page_size` positions of a row (position // page_size, so left padding does not
     shift them). Each KV head scores a page by its group-averaged query against the page's mean
-    key (from the running sums `Layer.append` keeps: one vector per page is read, not every key)
+    key (from the running sums `Layer.add_pages` keeps: one vector per page is read, not every key)
     and keeps `top` [B] (device) pages per row: the budget's best plus the first page (the sinks)
-    and the 2 newest (the local window); k = max(top) (host). `index` lists the slots of the k
+    and the 2 newest (the local window); k >= max(top) (host). `index` lists the slots of the k
     pages the most generous row keeps, best page first, so attention gathers and reads only
     those; `pos` is -1 where a slot is not attended (past a row's tokens, or beyond its `top`).
+    `pos` [B, H_kv, S]: the positions of the slots looked at, the held ones (the eager cache) or the
+    whole buffer, -1 past the held ones (static.py: every page scored, k fixed, so shapes never change).
     """
-    page_size = layer.page_size
-    n = (layer.size - 1) // page_size + 1                               # no position reaches page n yet
+    page_size, size = layer.page_size, pos.shape[-1]
+    n = (size - 1) // page_size + 1                                     # no position reaches page n yet
     count, sums = layer.page_count[:, :n], layer.page_sum[:, :, :n]     # [B, n], [B, H_kv, n, D]
     q = query.float().unflatten(1, (sums.shape[1], -1)).mean(2)           # [B, H_kv, 1, D]
     # (a row vector times the page sums: a batched matrix-vector product is several times slower on a CPU)
@@ -177,8 +179,8 @@ def top_pages(layer, query, top, k):
     ranked = score.topk(min(k, n), dim=-1).indices                       # [B, H_kv, k], best first
     chosen = (torch.arange(ranked.shape[-1], device=count.device) < top[:, None, None]) & exists.gather(
         1, ranked.flatten(1)).view_as(ranked)
-    padding = layer.size - count.sum(-1)                                # [B] slots before position 0
+    padding = (pos[:, 0] >= 0).int().argmax(-1)                         # [B] slots before position 0 (the first real)
     slot = padding[:, None, None, None] + ranked[..., None] * page_size + torch.arange(page_size, device=count.device)
-    seen = (chosen[..., None] & (slot < layer.size)).flatten(2)          # [B, H_kv, k * page_size]
-    index = slot.flatten(2).clamp(max=layer.size - 1)
-    return index, layer.pos.gather(2, index).masked_fill(~seen, -1)
+    seen = (chosen[..., None] & (slot < size)).flatten(2)                # [B, H_kv, k * page_size]
+    index = slot.flatten(2).clamp(max=size - 1)
+    return index, pos.gather(2, index).masked_fill(~seen, -1)

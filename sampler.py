@@ -13,11 +13,13 @@ correction compares with a dense re-scoring).
 """
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from kvcache import KVCache, SparseConfig, sparse_attention
+from static import StaticCache, capture
 
 # Whether every row has ended is asked every DONE_EVERY steps, not every step: on a GPU the answer is a
 # sync that stalls the launch of the next step. At most DONE_EVERY - 1 steps of padding are decoded in vain.
@@ -82,8 +84,14 @@ def left_pad(prompts, pad_token_id, device):
     return ids.to(device), positions.to(device)
 
 
-def sample_token(logp, temperature, top_p, generator):
-    """Choose one token per row from log-probs [N, V]: argmax when greedy, else nucleus sampling."""
+def sample_token(logp, temperature, top_p, noise):
+    """Choose one token per row from log-probs [N, V]: argmax when greedy, else nucleus sampling.
+
+    noise [N, V]: Exp(1) draws (None when greedy). argmax(p / noise) is a sample from p: it is how
+    torch.multinomial(p, 1, generator=g) samples (ATen's one-sample path), and returns the same token
+    when `noise` is drawn from g as `torch.empty_like(p).exponential_(generator=g)` (tested). Written out
+    so that the noise is an input: a captured decode step (static.py) cannot call a host generator.
+    """
     if temperature == 0:
         return logp.argmax(-1)
     probs = logp.exp()
@@ -91,7 +99,16 @@ def sample_token(logp, temperature, top_p, generator):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return (probs / noise).argmax(-1)
+
+
+def choose(logits, temperature, top_p, noise, k):
+    """From next-token logits [N, V] (float32) to what a step records: the token [N], its log-prob [N],
+    and the k largest log-probs [N, k] with their ids [N, k], all under the temperature-scaled distribution."""
+    logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    token = sample_token(logp, temperature, top_p, noise)
+    top = logp.topk(k, dim=-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1), top.values, top.indices
 
 
 def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk):
@@ -115,8 +132,8 @@ def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk
 
 
 def forward(model, ids, positions, cache):
-    """One forward pass through the cache; -> next-token logits [N, V] (float32)."""
-    cache.start_step(positions)
+    """One forward pass through the cache; -> next-token logits [N, V] (float32). The cache must have been
+    told of the step (`cache.start_step(positions)`): that bookkeeping stays on the host, out of the step."""
     # `past_key_values` makes each attention layer store its keys and values in the cache;
     # `kv_cache` reaches our attention hook (transformers passes extra kwargs down to it).
     out = model(input_ids=ids, position_ids=positions.clamp(min=0), past_key_values=cache,
@@ -124,15 +141,23 @@ def forward(model, ids, positions, cache):
     return out.logits[:, -1].float()
 
 
+def decode(model, cache, token, positions, noise, temperature, top_p, k):
+    """One decode step, every layer to the sampled token: token [N] and positions [N, 1] in, `choose`'s
+    four tensors out. With a `static.StaticCache` its shapes are the same at every step (captured=True)."""
+    return choose(forward(model, token[:, None], positions, cache), temperature, top_p, noise, k)
+
+
 @torch.no_grad()   # not inference_mode: the rollouts it returns are trained on, and autograd must accept them
 def generate(model, prompts, sparse=SparseConfig(), max_new_tokens=256, temperature=1.0, top_p=1.0,
-             eos_token_id=None, pad_token_id=0, seed=0, logprobs_topk=20, record=False):
+             eos_token_id=None, pad_token_id=0, seed=0, logprobs_topk=20, record=False, captured=False):
     """Sample a response for every prompt through a `KVCache` compressed as `sparse` says.
 
     prompts: N lists of token ids (any lengths). Left-padded prefill, then one token per step
     for every row; a row is done after EOS, the loop stops soon after all rows are done.
     temperature 0 is greedy (log-probs are then recorded at temperature 1). Reproducible per
     `seed`. With `record=True`, `kept` holds what each step attended and `stats["cache"]` is the cache.
+    `captured=True` decodes through `static.StaticCache`, whose step keeps its shapes: replayed from a
+    CUDA graph on a GPU, run as is elsewhere; the same tokens, log-probs within rounding (static.py).
     Returns `Rollouts` with T = the steps up to the last row's EOS (or max_new_tokens); the cache's
     stats count every step it ran.
     """
@@ -140,32 +165,37 @@ def generate(model, prompts, sparse=SparseConfig(), max_new_tokens=256, temperat
     device = model.device
     ids, positions = left_pad(prompts, pad_token_id, device)
     N, k = len(prompts), min(logprobs_topk, model.config.vocab_size)
-    cache = KVCache(sparse, model.config.num_hidden_layers, max_new_tokens, seed, record)
+    cache = (StaticCache if captured else KVCache)(sparse, model.config.num_hidden_layers, max_new_tokens, seed, record)
     generator = torch.Generator(device).manual_seed(seed)
     tokens, logprobs, topk_logprobs, topk_ids, masks = [], [], [], [], []
     done = torch.zeros(N, dtype=torch.bool, device=device)
     next_pos = positions[:, -1:] + 1
     start = clock(device)
     with sparse_attention(model):
+        cache.start_step(positions)
         logits = forward(model, ids, positions, cache)
-        for step in range(max_new_tokens):
-            logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
-            token = sample_token(logp, temperature, top_p, generator)
+        # Exp(1) noise per step, from the seeded generator (see sample_token); none when greedy
+        draw = lambda: None if temperature == 0 else torch.empty_like(logits).exponential_(generator=generator)
+        chosen = choose(logits, temperature, top_p, draw(), k)
+        step = partial(decode, model, cache, temperature=temperature, top_p=top_p, k=k)
+        static_step = capture(step, cache) if captured else None
+        for t in range(max_new_tokens):
+            token, logprob, top_logprobs, top_ids = chosen
             token = token.masked_fill(done, pad_token_id)
             live = (~done).float()
             tokens.append(token)
             masks.append(live)
-            logprobs.append(logp.gather(-1, token[:, None]).squeeze(-1) * live)
-            top = logp.topk(k, dim=-1)
-            topk_logprobs.append(top.values)
-            topk_ids.append(top.indices)
+            logprobs.append(logprob * live)
+            topk_logprobs.append(top_logprobs)
+            topk_ids.append(top_ids)
             if eos_token_id is not None:
                 done |= token == eos_token_id
-                if step % DONE_EVERY == DONE_EVERY - 1 and bool(done.all()):
+                if t % DONE_EVERY == DONE_EVERY - 1 and bool(done.all()):
                     break
-            if step == max_new_tokens - 1:
+            if t == max_new_tokens - 1:
                 break
-            logits = forward(model, token[:, None], next_pos, cache)
+            cache.start_step(next_pos)          # host bookkeeping: which rows compress at this step
+            chosen = (static_step if captured and cache.static else step)(token, next_pos, draw())
             next_pos = next_pos + 1
     seconds = clock(device) - start
     mask = torch.stack(masks, 1)

@@ -50,11 +50,12 @@ def test_eviction_equals_masking_in_fp32(policy):
     assert (out.logprobs - dense).abs().max() > 1e-2                  # eviction really changed something
 
 
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
 @pytest.mark.parametrize("policy", ["full"] + EVICTING + ["blocktopk"])
-def test_every_policy_runs_in_bf16_within_its_budget(policy):
+def test_every_policy_runs_in_bf16_within_its_budget(policy, captured):
     model = tiny_model("qwen3").to(DEVICE, torch.bfloat16)
     sparse = sparse_config(policy)
-    out = generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=1.0, seed=1, record=True)
+    out = generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=1.0, seed=1, record=True, captured=captured)
     assert torch.isfinite(out.logprobs).all() and (out.logprobs[out.mask > 0] < 0).all()
     c = model.config                                  # K and V, layers, rows, KV heads, head_dim, 2 bytes in bf16
     per_token = 2 * c.num_hidden_layers * len(PROMPTS) * c.num_key_value_heads * c.head_dim * 2
@@ -63,6 +64,24 @@ def test_every_policy_runs_in_bf16_within_its_budget(policy):
         assert out.stats["peak_kv_tokens"] <= sparse.budget + sparse.interval
         kept = torch.stack([(step >= 0).sum(-1) for step in out.stats["cache"].history[0][1:]])
         assert kept.max() <= sparse.budget + sparse.interval
+
+
+@pytest.mark.parametrize("policy", ["full"] + EVICTING + ["blocktopk"])
+def test_captured_graph_equals_eager_in_fp32(monkeypatch, policy):
+    # static.capture: the CUDA graph's replays give the eager path's greedy tokens, and its seeded samples
+    # (the same noise is drawn in both paths), on ragged prompts; the graph is really replayed
+    replays = []
+    if DEVICE.type == "cuda":
+        replay = torch.cuda.CUDAGraph.replay
+        monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: replays.append(1) or replay(graph))
+    model = tiny_model("llama").to(DEVICE)
+    for temperature in (0, 1.0):
+        run = lambda captured: generate(model, PROMPTS, sparse_config(policy), max_new_tokens=30,
+                                        temperature=temperature, seed=3, captured=captured)
+        eager, graph = run(False), run(True)
+        assert torch.equal(graph.tokens, eager.tokens)
+        assert (graph.logprobs - eager.logprobs).abs().max() < 1e-4
+    assert DEVICE.type != "cuda" or len(replays) >= 10
 
 
 def test_dense_logprobs_equal_the_samplers_with_a_full_cache():

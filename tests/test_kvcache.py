@@ -119,6 +119,30 @@ def test_blocktopk_equals_masking_and_keeps_the_reserved_pages():
     assert cache.attended_tokens[-1] == ((49 + 32) / 2 + (17 + 20) / 2) / 2
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "blocktopk"])
+def test_recording_reads_nothing_back_while_decoding(monkeypatch, policy):
+    # record=True (every --distill step) must cost no host sync per decode step: count every read of a
+    # tensor's value during generate, with and without recording (a read per layer and step would add 2 * 29)
+    model = tiny_model("llama")
+    sparse = SparseConfig(policy, budget=8, interval=3, window=2, sink=2) if policy == "snapkv" else \
+        SparseConfig("blocktopk", budget=4, page_size=4, dense_layers=1)
+    reads = []
+    for name in ("item", "tolist", "cpu", "__bool__", "__int__", "__float__"):
+        def counted(self, *args, _read=getattr(torch.Tensor, name), _name=name, **kwargs):
+            reads.append(_name)
+            return _read(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    counts = []
+    for record in (False, True):
+        reads.clear()
+        out = generate(model, [[1, 2, 3, 4, 5, 6, 7, 8, 9], [3, 4, 5]], sparse, max_new_tokens=30, record=record)
+        counts.append(len(reads))
+    assert counts[0] == counts[1]
+    monkeypatch.undo()
+    attended = out.stats["cache"].attended_tokens                       # counted once, at the end
+    assert len(attended) == 29 and all(0 < a <= 9 + 29 for a in attended)
+
+
 def test_blocktopk_pages_match_a_brute_force_choice():
     # every decode step, re-chosen with loops from the raw keys: page = position // 4, score = the
     # group-mean query . the page's mean key; first page + 2 newest + the 2 best others

@@ -1,0 +1,249 @@
+"""A decode step whose shapes never change, so that a GPU can replay it from a CUDA graph (issue 24).
+
+Why: eager decoding of a batch is bound by Python and kernel launches, not by the GPU. On an H100
+(Qwen3-1.7B shape, batch 64, prompt 512 + 1536 new) an eager step took ~36 ms, for Hugging Face
+`generate` and for `sampler.generate` alike, while its memory traffic (~3.4 GB of weights plus the
+KV cache) takes ~4 ms at ~3 TB/s; eviction cannot show in a step that waits on the host. gpt-fast's
+remedy: a cache whose shapes never change, so one step is captured once and replayed, a few hundred
+launches for the price of one.
+
+How, here:
+- `StaticCache` is `kvcache.KVCache` with the same preallocated buffers, read whole. A decode step
+  writes its key at a slot held in a device tensor (`cursor`), and attends over every slot of the
+  buffers (`budget + interval` for eviction, `prompt + max_new_tokens` for full and blocktopk) under
+  the mask of their positions (-1: empty, padding or evicted). Block top-k scores every page of the
+  buffer and gathers a fixed number of pages. Nothing in a step reads a host int that changes.
+- The host's bookkeeping (`start_step`: which rows compress, budgets, pages per row) runs before the
+  step, as in the eager cache; so does a compression. A step at which any row compresses runs the
+  eager path itself, in the same buffers: its scores need that step's own query and key, made inside
+  the forward pass, and which slots survive is data. Every `interval` steps per row (all rows at once
+  when the prompts share a length, as in the benchmark; rows with ragged prompts fall due apart).
+- `capture` replays the step from a `torch.cuda.CUDAGraph`; elsewhere it runs the step as it is,
+  which is how the CPU tests check it (and tests/test_static.py traces it with torch.compile,
+  fullgraph, to prove nothing in it breaks a capture).
+
+What is equal to what: the static cache keeps exactly the eager cache's tokens (the same scores over
+the same packed slots; the compressions are the same code). Its attention runs over more, masked
+slots, so log-probs agree to rounding (~1e-7 in fp32), and tokens agree unless two are within rounding
+of each other. Sampling draws the same noise in both paths (`sampler.sample_token`), so a seeded run
+samples the same tokens.
+
+    out = generate(model, prompts, SparseConfig("snapkv", budget=512), captured=True)   # sampler.py
+
+Speed, side by side in one run (random Llama weights, greedy, each pair interleaved, median of rounds):
+
+    OMP_NUM_THREADS=1 python static.py                      # bench.py's model shape, on the CPU
+    python static.py --device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 1536 --hf
+"""
+import argparse
+import statistics
+
+import torch
+
+from kvcache import DENSE, KVCache, attention
+from policies import top_pages
+
+
+class StaticCache(KVCache):
+    """`KVCache` whose decode steps keep their shapes; prefill and compressing steps run the eager cache.
+
+    Device state of a static step (all allocated once, after the prefill):
+    cursor  [1] long    the slot the step's new key is written to (every layer holds the same slots)
+    ring    [1] long    the window's slot for the step's query (SnapKV, R-KV)
+    now     [B, 1]      the step's positions, copied in by `start_step`
+    pages   [B] long    blocktopk: pages attended per row at this step, from the host's choice
+    seen    per layer   with record=True: the positions the step attended, cloned into `history`
+    The host keeps `Layer.size` and `Layer.ring` in step (`end_step`), so an eager step can follow.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.static = False      # whether the announced step runs the static path
+        self.cursor = None       # the device state, made after the prefill
+
+    def start_step(self, positions):
+        """The eager cache's bookkeeping; then, for a static step, its inputs copied into the device state."""
+        super().start_step(positions)
+        resuming = not self.static
+        self.static = self.decoding and not self.compressing
+        if not self.static:
+            return
+        if resuming:             # after the prefill or a compression, the host's layout is the truth
+            self.resume()
+        self.now.copy_(positions)
+        if self.sparse.policy == "blocktopk":
+            self.pages.copy_(self.top)
+
+    def resume(self):
+        """Set the device state from the host's: where the next key goes, which slots are empty."""
+        first, sparse = self.layers[0], self.sparse
+        if self.cursor is None:
+            device, B = first.k_buf.device, first.k_buf.shape[0]
+            self.cursor = torch.zeros(1, dtype=torch.long, device=device)
+            self.ring = torch.zeros(1, dtype=torch.long, device=device)
+            self.now = torch.zeros(B, 1, dtype=torch.long, device=device)
+            self.pages = torch.zeros(B, dtype=torch.long, device=device)
+            # blocktopk attends to at most the largest budget's pages + the 3 reserved ones, of those that exist
+            budget = max([b or DENSE for b in sparse.schedule.budgets] if sparse.schedule else [sparse.budget])
+            self.k_pages = min(budget // sparse.page_size + 3, (first.pos_buf.shape[-1] - 1) // sparse.page_size + 1)
+            if self.history is not None:
+                self.seen = [layer.pos_buf.new_full(self.seen_shape(i, layer), -1) for i, layer in enumerate(self.layers)]
+        self.cursor.fill_(first.size)
+        self.ring.fill_(first.ring)
+        for layer in self.layers:
+            layer.pos_buf[:, :, layer.size:] = -1    # a compression left old positions past the kept slots
+
+    def seen_shape(self, layer_idx, layer):
+        paged = self.sparse.policy == "blocktopk" and layer_idx >= self.sparse.dense_layers
+        return (*layer.pos_buf.shape[:2], self.k_pages * self.sparse.page_size if paged else layer.pos_buf.shape[2])
+
+    # the step (traced, captured): tensors in place, no host ints that change
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Called by the model: write the new key and value [B, H_kv, 1, D] at `cursor`; -> the whole buffers."""
+        if not self.static:
+            return super().update(key_states, value_states, layer_idx)
+        layer = self.layers[layer_idx]
+        layer.k_buf.index_copy_(2, self.cursor, key_states)
+        layer.v_buf.index_copy_(2, self.cursor, value_states)
+        layer.pos_buf.index_copy_(2, self.cursor, self.now[:, None].expand(-1, key_states.shape[1], -1))
+        layer.acc_buf.index_fill_(2, self.cursor, 0.0)
+        if layer.page_size:
+            layer.add_pages(key_states, self.now)
+        return layer.k_buf, layer.v_buf
+
+    def attend(self, layer_idx, query, scaling, sliding_window=None):
+        """Called by the hook: attend over every slot, masked by position. query [B, H, 1, D] -> [B, H, 1, D]."""
+        if not self.static:
+            return super().attend(layer_idx, query, scaling, sliding_window)
+        layer, sparse = self.layers[layer_idx], self.sparse
+        if sparse.policy in ("snapkv", "rkv"):
+            layer.queries.index_copy_(2, self.ring, query)
+            layer.query_pos.index_copy_(1, self.ring, self.now)
+        keys, values, key_pos = layer.k_buf, layer.v_buf, layer.pos_buf
+        if sparse.policy == "blocktopk" and layer_idx >= sparse.dense_layers:
+            index, key_pos = top_pages(layer, query, self.pages, self.k_pages, layer.pos_buf)
+            keys, values = layer.gather(index)
+        out, received = attention(query, keys, values, key_pos, self.now, scaling, sliding_window,
+                                  weights=sparse.policy == "h2o")
+        if received is not None:  # H2O: what each key received, the mean over its group of query heads
+            layer.acc_buf += received.unflatten(1, (keys.shape[1], -1)).mean(2)
+        if self.history is not None:
+            self.seen[layer_idx].copy_(key_pos)
+        if layer_idx == self.num_layers - 1:      # every layer wrote at `cursor`: the next step writes past it
+            self.cursor.add_(1)
+            self.ring.copy_((self.ring + 1) % sparse.window)
+        return out
+
+    def end_step(self):
+        """After a static step, on the host: what it changed (one more slot held, one more query
+        remembered), and with record=True what it attended."""
+        for layer_idx, layer in enumerate(self.layers):
+            layer.size += 1
+            if layer.queries is not None:
+                layer.ring = (layer.ring + 1) % self.sparse.window
+            if self.history is not None:
+                self.history[layer_idx].append(self.seen[layer_idx].clone())
+
+
+def capture(step, cache):
+    """`step(token, positions, noise)` as a static step runs: from a CUDA graph on a GPU, as it is elsewhere.
+
+    On CUDA the first static step runs plainly on a side stream (it warms up the libraries a capture must
+    not initialise), the second is captured into a graph and every one from then on replays it: the
+    inputs are copied into the graph's own tensors, the outputs cloned out of its pool. `cache.end_step()`
+    follows each step.
+    """
+    graph, inputs, outputs = None, None, None
+
+    def run(*args):
+        nonlocal graph, inputs, outputs
+        device = args[0].device
+        if device.type != "cuda":
+            out = step(*args)
+        elif graph is None and inputs is None:        # the warm-up: a real step, on a side stream
+            inputs = [a if a is None else a.clone() for a in args]
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                out = step(*args)
+            torch.cuda.current_stream(device).wait_stream(stream)
+        else:
+            for mine, given in zip(inputs, args):
+                if given is not None:
+                    mine.copy_(given)
+            if graph is None:                         # capture records the kernels, runs none of them
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    outputs = step(*inputs)
+            graph.replay()
+            out = tuple(o.clone() for o in outputs)
+        cache.end_step()
+        return out
+
+    return run
+
+
+# ----------------------------------------------------------------------------- eager vs static, side by side
+
+SHAPES = {  # layers, hidden, heads, kv heads, ffn, vocab
+    "bench": dict(num_hidden_layers=8, hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
+                  intermediate_size=1536, vocab_size=8192),
+    "qwen3-1.7b": dict(num_hidden_layers=28, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8,
+                       intermediate_size=6144, vocab_size=151936, head_dim=128),
+}
+
+
+def main(argv=None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcache import SparseConfig
+    from sampler import clock, generate
+    p = argparse.ArgumentParser(description="tokens/s of the eager and the static decode path, side by side")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--shape", default="bench", choices=SHAPES)
+    p.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on a GPU")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--new", type=int, default=512)
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--interval", type=int, default=128)
+    p.add_argument("--policies", default="full,snapkv,blocktopk")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--hf", action="store_true", help="also time Hugging Face generate (dense, greedy)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
+    torch.manual_seed(0)
+    config = LlamaConfig(max_position_embeddings=args.prompt + args.new + 1, **SHAPES[args.shape])
+    model = LlamaForCausalLM(config).to(device, dtype).eval()
+    ids = torch.randint(1, config.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(1))
+    prompts = ids.tolist()
+    print(f"{args.shape}, {dtype}, {device}, batch {args.batch}, prompt {args.prompt} + {args.new} new, "
+          f"budget {args.budget}, interval {args.interval}, {torch.get_num_threads()} threads; tokens/s, median of {args.rounds}")
+    if args.hf:
+        ids = ids.to(device)
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8, min_new_tokens=8)
+        seconds = []
+        for _ in range(args.rounds):
+            start = clock(device)
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.new,
+                           min_new_tokens=args.new, pad_token_id=0)
+            seconds.append(clock(device) - start)
+        print(f"HF generate, dense: {args.batch * args.new / statistics.median(seconds):.1f}")
+    for policy in args.policies.split(","):
+        sparse = SparseConfig(policy, budget=args.budget, interval=args.interval)
+        speed = {False: [], True: []}
+        for captured in (False, True):                                   # warm-up
+            generate(model, prompts, sparse, max_new_tokens=8, temperature=0, captured=captured)
+        for _ in range(args.rounds):
+            for captured in (False, True):
+                out = generate(model, prompts, sparse, max_new_tokens=args.new, temperature=0, captured=captured)
+                speed[captured].append(out.stats["tokens_per_s"])
+        eager, static = statistics.median(speed[False]), statistics.median(speed[True])
+        print(f"{policy:>10}: eager {eager:8.1f}  static {static:8.1f}  static / eager {static / eager:.2f}x  "
+              f"(rounds: {', '.join(f'{a:.1f}/{b:.1f}' for a, b in zip(speed[False], speed[True]))})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The static-shape decode step (static.py) against today's eager path, Hugging Face, a masked dense pass
+and torch.multinomial; and proof that the step traces whole (torch.compile, fullgraph)."""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import distill
+import sampler
+from kvcache import SparseConfig
+from reference import hf_greedy, masked_dense_logprobs, tiny_model
+from sampler import generate, sample_token
+from static import StaticCache
+
+PROMPTS = [[5, 9, 3, 7, 1, 12, 33, 8, 2], [4, 17, 6], [21, 22, 23, 24, 25, 26]]   # ragged: left-padded
+CONFIGS = [SparseConfig("full"), *(SparseConfig(p, budget=8, interval=3, window=2, sink=2, kernel=3)
+                                   for p in ("streaming", "h2o", "snapkv", "rkv", "random")),
+           SparseConfig("blocktopk", budget=4, page_size=4, dense_layers=1)]
+
+
+def step_kinds(monkeypatch):
+    """Record, for every decode step of a captured run, whether it ran static or eager (a compression)."""
+    kinds = []
+    start_step = StaticCache.start_step
+
+    def recorded(cache, positions):
+        start_step(cache, positions)
+        if cache.decoding:
+            kinds.append("static" if cache.static else "eager")
+    monkeypatch.setattr(StaticCache, "start_step", recorded)
+    return kinds
+
+
+def kept_sets(rollouts):
+    """Per layer, step, row and KV head: the set of positions attended (-1 slots dropped)."""
+    return [[[[set(h[h >= 0].tolist()) for h in row] for row in step] for step in layer] for layer in rollouts.kept]
+
+
+def test_sample_token_draws_what_torch_multinomial_draws():
+    # the noise drawn from a seeded generator picks the token torch.multinomial picks from the same generator,
+    # also where some tokens have probability 0 (as after top-p)
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    logits[:, 10:50] = float("-inf")
+    logp = logits.log_softmax(-1)
+    theirs, ours = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    for _ in range(200):
+        expected = torch.multinomial(logp.exp(), 1, generator=theirs).squeeze(-1)
+        noise = torch.empty_like(logp).exponential_(generator=ours)
+        assert torch.equal(sample_token(logp, 1.0, 1.0, noise), expected)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0, 1.0), (1.0, 0.9)], ids=["greedy", "seeded-sample"])
+@pytest.mark.parametrize("sparse", CONFIGS, ids=lambda s: s.policy)
+def test_static_path_equals_the_eager_path(monkeypatch, sparse, temperature, top_p):
+    # ragged prompts, rows ending at different steps (EOS = a token row 0 emits early), every policy: the
+    # same tokens, log-probs to fp32 rounding, and the same positions kept at every step of every layer
+    model = tiny_model("llama")
+    eos = generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=0).tokens[0, 6].item()
+    run = lambda captured: generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=temperature, top_p=top_p,
+                                    eos_token_id=eos, seed=3, record=True, captured=captured)
+    eager = run(False)
+    kinds = step_kinds(monkeypatch)
+    static = run(True)
+    assert torch.equal(static.tokens, eager.tokens) and torch.equal(static.mask, eager.mask)
+    assert (static.logprobs - eager.logprobs).abs().max() < 1e-5
+    assert (static.topk_logprobs - eager.topk_logprobs).abs().max() < 1e-5 and torch.equal(static.topk_ids, eager.topk_ids)
+    assert kept_sets(static) == kept_sets(eager)
+    assert static.stats["compressions"] == eager.stats["compressions"] == kinds.count("eager")
+    assert kinds.count("static") >= 10
+    if sparse.policy not in ("full", "blocktopk"):          # a static step right after a compression
+        assert any(a == "eager" and b == "static" for a, b in zip(kinds, kinds[1:]))
+    if temperature == 0:
+        assert len(set(eager.mask.sum(1).tolist())) > 1       # the rows ended at different steps
+
+
+def test_static_dense_greedy_equals_hugging_face():
+    model = tiny_model("qwen3")
+    out = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=24, temperature=0, captured=True)
+    assert torch.equal(out.tokens, hf_greedy(model, PROMPTS, 24))
+
+
+@pytest.mark.parametrize("sparse", CONFIGS[1:], ids=lambda s: s.policy)
+def test_static_eviction_equals_masking(sparse):
+    # what the static path recorded as attended is what it attended: a dense pass under that mask agrees,
+    # and so does DistillSparse's sparse training forward, which reads it from `kept` (--distill)
+    model = tiny_model("llama")
+    out = generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=1.0, seed=3, record=True, captured=True)
+    assert (out.logprobs - masked_dense_logprobs(model, out)).abs().max() < 1e-4
+    assert (distill.sparse_logprobs(model, out).detach() - out.logprobs).abs().max() < 1e-4
+
+
+def test_a_seeded_static_sample_is_reproducible():
+    model = tiny_model("llama")
+    run = lambda seed: generate(model, PROMPTS, SparseConfig("snapkv", budget=8, interval=3, window=2, sink=2),
+                                max_new_tokens=20, seed=seed, captured=True).tokens
+    assert torch.equal(run(1), run(1)) and not torch.equal(run(1), run(2))
+
+
+@pytest.mark.parametrize("arch, sparse", [("llama", s) for s in CONFIGS] + [
+    ("qwen3", CONFIGS[4]), ("mistral", CONFIGS[0]), ("mistral", CONFIGS[4])], ids=lambda x: getattr(x, "policy", x))
+def test_the_static_step_traces_whole(monkeypatch, arch, sparse):
+    # torch.compile(fullgraph=True) raises at any graph break; one compiled frame over every static step
+    # (including those right after a compression) means nothing in the step depends on a host value that changes
+    model = tiny_model(arch, **({"sliding_window": 12} if arch == "mistral" else {}))
+    counter = CompileCounter()                          # the "eager" backend, counting what it compiles
+    torch._dynamo.reset()
+    capture = sampler.capture
+    monkeypatch.setattr(sampler, "capture", lambda step, cache: capture(
+        torch.compile(step, fullgraph=True, dynamic=False, backend=counter), cache))
+    kinds = step_kinds(monkeypatch)
+    traced = generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=1.0, seed=3, record=True, captured=True)
+    monkeypatch.undo()
+    eager = generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=1.0, seed=3)
+    assert counter.frame_count == 1 and counter.op_count > 100
+    assert kinds.count("static") >= 10
+    assert torch.equal(traced.tokens, eager.tokens)
+    assert (traced.logprobs - eager.logprobs).abs().max() < 1e-5
