@@ -76,6 +76,8 @@ def parse_args(argv=None):
                    "(toy 4, smollm2-135m 32, else 128)")
     g.add_argument("--window", type=int, default=d["window"], help="recent tokens always kept (toy 4, else 8)")
     g.add_argument("--sink", type=int, default=d["sink"], help="first tokens kept by streaming (toy 2, else 4)")
+    g.add_argument("--captured", action="store_true", help="decode with the static-shape step (static.py): "
+                   "replayed from a CUDA graph on a GPU, run as is on a CPU; the same tokens")
     g.add_argument("--temperature", type=float, default=d.get("temperature", 1.0),
                    help="sampling temperature of the rollouts")
     g = p.add_argument_group("budget schedule (schedule.py)")

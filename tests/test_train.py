@@ -398,3 +398,13 @@ def test_bf16_moves_the_weights_as_fp32_does_and_saves_a_plain_checkpoint(tmp_pa
         torch.testing.assert_close(saved.state_dict(), model.state_dict(), atol=0, rtol=0)
     assert moved["float32"] > 0.5                                         # nearly every weight with a gradient
     assert moved["float32"] / 2 <= moved["bfloat16"] <= moved["float32"] * 2
+
+
+def test_captured_training_equals_eager_training(tmp_path, warm):
+    # --captured decodes with static.py's static-shape step (on a CPU: the same step, not captured): the same
+    # rollouts, so the same rewards, losses and mismatch, step by step
+    lines = [run_in(tmp_path / name, warm, "--steps", "2", "--eval-every", "1000", "--eval-size", "8", *extra)[2]
+             for name, extra in (("eager", []), ("captured", ["--captured"]))]
+    for eager, captured in zip(*lines):
+        for key in ("reward", "loss", "rho_mean", "alpha_p05", "dropped_tokens", "peak_kv_bytes"):
+            assert captured[key] == pytest.approx(eager[key], rel=1e-5, abs=1e-6), key
