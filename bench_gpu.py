@@ -393,7 +393,7 @@ def table_4(model, s, report, record, bandwidth, weights):
 
 
 def targets(s, report, record):
-    """The issue's targets, measured in this run (ratios only; `-` where a row was skipped)."""
+    """The targets (README "On one GPU"), measured in this run (ratios only; `-` where a row was skipped)."""
     rows, batch, shape = record["rows"], record["batch"], record["shape"]
     speed = lambda key: rows.get(key, {}).get("tokens_per_s")
     evicting = [speed(f"ours {name} any") for name in EVICTION]
