@@ -89,7 +89,7 @@ pack() {          # here, in the checkout the device calls send: both folders, t
 }
 
 check() {         # device call 1: what the machine is, that part a arrived whole, and a 2-step toy run on CUDA
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || die "no nvidia-smi: no GPU here"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || die "nvidia-smi found no GPU here"
     python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
     [ -f "$A/part" ] || die "$A/part is not here: carry $A in this call"
     [ "$(sum "$A/part")" = "$(cat "$A/part.sha256")" ] || die "$A/part does not match its sha256"
