@@ -22,6 +22,7 @@ B=.gpu-model-b
 NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 MODEL_DIR=${MODEL_DIR:-$HOME/.cache/sparse-rl/gguf}
 SITE=${SITE:-/tmp/site}
+PY=${PY:-python3}                # the GPU image's python3 holds torch; a plain `python` may not exist there
 GGUF_WHEEL=gguf==0.19.0          # pure Python, ~120 KB; its needs (numpy, pyyaml, requests, tqdm) are on the GPU image
 MAX_PART=$((60 * 1024 * 1024))   # a device call carries 64 MiB with the repository; each half stays under 60
 AGAIN="make the call that carries $A, then at once the one that carries $B and runs 'bash gpu_smollm2.sh setup' (README 'A real model learns on one GPU')"
@@ -73,7 +74,7 @@ join_parts() {    # join DIR_A DIR_B DEST: both halves checked, then the whole, 
 
 pack() {          # here, in the checkout the device calls send: both folders, then the gguf wheel beside part b
     local src
-    src=$(python -c "import models; f, n = models.gguf_source(models.SMOLLM2); print(f / n)") || exit 1
+    src=$("$PY" -c "import models; f, n = models.gguf_source(models.SMOLLM2); print(f / n)") || exit 1
     rm -rf "$A" "$B"
     split_parts "$src" "$A" "$B" || exit 1
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -90,11 +91,11 @@ pack() {          # here, in the checkout the device calls send: both folders, t
 
 check() {         # device call 1: what the machine is, that part a arrived whole, and a 2-step toy run on CUDA
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || die "nvidia-smi found no GPU here"
-    python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+    "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
     [ -f "$A/part" ] || die "$A/part is not here: carry $A in this call"
     [ "$(sum "$A/part")" = "$(cat "$A/part.sha256")" ] || die "$A/part does not match its sha256"
     echo "$A/part arrived whole"
-    python train.py --device cuda --dtype bfloat16 --steps 2 --warmup-steps 20 --eval-size 16 --out /tmp/toy-cuda \
+    "$PY" train.py --device cuda --dtype bfloat16 --steps 2 --warmup-steps 20 --eval-size 16 --out /tmp/toy-cuda \
         > /tmp/toy-cuda.log 2>&1 || { tail -3 /tmp/toy-cuda.log; die "the toy run failed on CUDA (log above)"; }
     echo "a 2-step toy run on CUDA: $(grep -m1 'wall time' /tmp/toy-cuda.log)"
 }
@@ -120,20 +121,20 @@ run() {           # run VARIANT...: each one train.py run, cut at LIMIT seconds,
     export SMOLLM2_GGUF=${SMOLLM2_GGUF:-$MODEL_DIR/$NAME}
     [ -f "$SMOLLM2_GGUF" ] || die "the model $SMOLLM2_GGUF is not on this machine (it went cold and was given back): $AGAIN"
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
-    python -c "import gguf" 2>/dev/null || die "the gguf package is not importable from $SITE: run 'bash gpu_smollm2.sh setup'"
+    "$PY" -c "import gguf" 2>/dev/null || die "the gguf package is not importable from $SITE: run 'bash gpu_smollm2.sh setup'"
     for v in "$@"; do
         dir=$runs/$v-s$seed
         rm -rf "$dir"
         mkdir -p "$dir"
         { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU";
-          python -c "import torch; print('torch', torch.__version__)"; } > "$dir/device.txt"
-        echo "$(date +%T) $v seed $seed: python train.py --model smollm2-135m --device $device ${VARIANTS[$v]} --seed $seed --out $dir ${EXTRA:-} (at most $limit s)"
+          "$PY" -c "import torch; print('torch', torch.__version__)"; } > "$dir/device.txt"
+        echo "$(date +%T) $v seed $seed: $PY train.py --model smollm2-135m --device $device ${VARIANTS[$v]} --seed $seed --out $dir ${EXTRA:-} (at most $limit s)"
         # shellcheck disable=SC2086   # the flags are words
-        PYTHONUNBUFFERED=1 timeout -k 10 "$limit" python train.py --model smollm2-135m --device "$device" ${VARIANTS[$v]} \
+        PYTHONUNBUFFERED=1 timeout -k 10 "$limit" "$PY" train.py --model smollm2-135m --device "$device" ${VARIANTS[$v]} \
             --seed "$seed" --out "$dir" ${EXTRA:-} > "$dir/train.log" 2>&1
         rc=$?
         if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
-            echo "$v: stopped at the $limit s limit after step $(tail -1 "$dir/metrics.jsonl" 2>/dev/null | python -c 'import json, sys; print(json.load(sys.stdin)["step"])' 2>/dev/null || echo 0); its last evaluation is its 'after'"
+            echo "$v: stopped at the $limit s limit after step $(tail -1 "$dir/metrics.jsonl" 2>/dev/null | "$PY" -c 'import json, sys; print(json.load(sys.stdin)["step"])' 2>/dev/null || echo 0); its last evaluation is its 'after'"
         elif [ "$rc" != 0 ]; then
             failed=1
             echo "$v: train.py failed (exit $rc); the end of its log:"
@@ -161,7 +162,7 @@ report() {        # the table and curves of whatever variants came back, in the 
         for d in results/runs-gpu/"$v"-s*; do [ -d "$d" ] && folders+=("$d"); done
     done
     [ ${#folders[@]} -gt 0 ] || die "no runs in results/runs-gpu: 'bash gpu_smollm2.sh unpack DIR' first"
-    python report.py runs "${folders[@]}" --out "${REPORT:-results/smollm2_gpu}"
+    "$PY" report.py runs "${folders[@]}" --out "${REPORT:-results/smollm2_gpu}"
 }
 
 command=${1:-}
