@@ -32,20 +32,35 @@ CPU = dict(PAPER, budget=128, interval=32, max_new_tokens=256, prompts=2, group_
 DATA = Path(__file__).resolve().parent / "data"
 ARITHMETIC = dict(CPU, data=str(DATA / "arithmetic_train.jsonl"), eval_data=str(DATA / "arithmetic_test.jsonl"),
                   max_new_tokens=128, temperature=0.7)
+# --model smollm2-135m --device cuda (no --data) is the one-GPU run of README "A real model learns on one GPU": the
+# arithmetic data at 16 prompts x 8 rollouts (the issue's batch; 128 rows decode as fast as 8 on a launch-bound GPU),
+# 256 new tokens, so that responses that run on evict past the prompt too; budget 128 of a 173-175-token prompt
+# evicts on every rollout. The whole held-out file (64) every 10 steps, bf16 forwards over fp32 weights. Time, an
+# ESTIMATE, not a measurement: a decode step of this 30-layer model runs ~1700 small torch ops (counted on the CPU
+# with the profiler; 48-67 ms a step here at batch 16 on a tiny-width copy of its shape, ~30-40 us an op of dispatch).
+# Launch-bound on a GPU at a guessed ~12-20 us an op: 20-35 ms a step, so a rollout of 256 steps takes 5-9 s,
+# re-scoring and update ~1-2 s, an evaluation (dense + sparse, greedy) 10-18 s: 20 steps and 3 evaluations take
+# 2.7-5 minutes, two variants per 10-minute device call (at this CPU's 35 us an op: ~7 minutes, one per call).
+GPU = dict(ARITHMETIC, prompts=16, group_size=8, max_new_tokens=256, steps=20, eval_size=64, eval_every=10,
+           dtype="bfloat16")
 
 
 def preset(argv):
-    """The defaults of the run the command line asks for: the toy task's with no --model or --data, ARITHMETIC
-    for --model smollm2-135m (CPU with --data), else PAPER. Read before the full parse, so that --help shows them."""
+    """The defaults of the run the command line asks for: the toy task's with no --model or --data; for --model
+    smollm2-135m, GPU with --device cuda (no --data), else ARITHMETIC (CPU with --data); else PAPER. Read before
+    the full parse, so that --help shows them."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model")
     p.add_argument("--data")
+    p.add_argument("--device")
     p.add_argument("--task", default="pick", choices=sorted(TASKS))
     known, _ = p.parse_known_args(argv)
     if known.model is None and known.data is None:
         return dict(TOY_TASKS[known.task], digits=list(get_task(known.task).lengths))
+    if known.model == SMOLLM2 and known.data:
+        return CPU
     if known.model == SMOLLM2:
-        return CPU if known.data else ARITHMETIC
+        return GPU if known.device == "cuda" else ARITHMETIC
     return PAPER
 
 
@@ -88,7 +103,8 @@ def parse_args(argv=None):
     g.add_argument("--bin-size", type=int, default=d["bin_size"], help="tokens per length bin of the tail metrics "
                    "and the controller (toy 16, smollm2-135m 64, else 128)")
     g.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"], help="response length limit "
-                   "(pick 12, sort 24, smollm2-135m 128 on its arithmetic data and 256 with --data, else 512)")
+                   "(pick 12, sort 24, smollm2-135m 128 on its arithmetic data, 256 with --data or --device cuda, "
+                   "else 512)")
     g = p.add_argument_group("correction (correction.py)")
     g.add_argument("--correction", default="sparse-rl", choices=["sparse-rl", "tis", "none"],
                    help="sparse-rl: rejection + weights; tis: weights only; none: naive sparse training")
@@ -97,9 +113,10 @@ def parse_args(argv=None):
                    help="tokens with rho outside [LOW, HIGH] leave the loss")
     g.add_argument("--cap", type=float, default=1.5, help="importance weights min(rho, cap)")
     g = p.add_argument_group("GRPO and down-sampling")
-    g.add_argument("--prompts", type=int, default=d["prompts"], help="prompts per step (smollm2-135m: 2)")
+    g.add_argument("--prompts", type=int, default=d["prompts"], help="prompts per step (smollm2-135m: 2; "
+                   "with --device cuda 16)")
     g.add_argument("--group-size", type=int, default=d["group_size"], help="n rollouts generated per prompt "
-                   "(smollm2-135m: 4)")
+                   "(smollm2-135m: 4; with --device cuda 8)")
     g.add_argument("--keep", type=int, default=None, help="m rollouts per prompt trained on (PODS); none: all n")
     g.add_argument("--downsample", default="max-variance", choices=["max-variance", "max-reward", "random"],
                    help="which m of the n rollouts of a prompt are kept (with --keep)")
@@ -120,10 +137,12 @@ def parse_args(argv=None):
     g.add_argument("--lora-lr-scale", type=float, default=distill.LR_SCALE, help="adapter lr = --lr times this")
     g.add_argument("--distill-lambda", type=float, default=distill.LAMBDA, help="weight of the KL term beside PPO (--distill ppo-kl; the KL alone has weight 1)")
     g = p.add_argument_group("run")
-    g.add_argument("--steps", type=int, default=d["steps"], help="GRPO steps (smollm2-135m: 5); 0: evaluate only")
-    g.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps (and at the start and end)")
+    g.add_argument("--steps", type=int, default=d["steps"], help="GRPO steps (smollm2-135m: 5; with "
+                   "--device cuda 20); 0: evaluate only")
+    g.add_argument("--eval-every", type=int, default=d.get("eval_every", 50), help="evaluate every N steps (and at "
+                   "the start and end; smollm2-135m with --device cuda: 10)")
     g.add_argument("--eval-size", type=int, default=d["eval_size"], help="held-out prompts per evaluation "
-                   "(smollm2-135m: 16)")
+                   "(smollm2-135m: 16; with --device cuda 64, its whole held-out file)")
     g.add_argument("--eval-policies", nargs="+", choices=POLICIES, metavar="POLICY", help="with --steps 0: "
                    "evaluate under each of these (none: --policy)")
     g.add_argument("--eval-budgets", type=int, nargs="+", metavar="B", help="with --steps 0: ... at each of these "
@@ -133,11 +152,13 @@ def parse_args(argv=None):
     g.add_argument("--out", default="out", help="output folder")
     g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out "
                    "(with --steps 0: evaluate it)")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU; "
+                   "cuda with --model smollm2-135m (no --data): the one-GPU preset (cli.GPU)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch; none: 1 for the toy model "
                    "(faster, and unhurt by a neighbour job), torch's default for a --model")
-    g.add_argument("--dtype", default="float32", choices=list(DTYPES), help="precision of the forward passes; "
-                   "bfloat16: under torch.autocast, the weights and AdamW's state kept in fp32")
+    g.add_argument("--dtype", default=d.get("dtype", "float32"), choices=list(DTYPES), help="precision of the "
+                   "forward passes (smollm2-135m with --device cuda: bfloat16); bfloat16: under torch.autocast, the "
+                   "weights and AdamW's state kept in fp32")
     args = p.parse_args(argv)
     args.keep = args.keep or args.group_size
     return args

