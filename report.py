@@ -42,6 +42,7 @@ from tqdm import tqdm
 import cli
 import distill
 import train
+from correction import ALPHA_TOPK
 from evaluate import accuracy, eval_rewards, run_inference, run_reward
 from kvcache import POLICIES, SparseConfig
 from models import CACHE_DIR, DTYPES, SMOLLM2, last_checkpoint, load_pretrained, pick_device
@@ -109,7 +110,8 @@ def inference(args):
     lines = [f"{len(examples)} questions of {args.data}, greedy, {args.max_new_tokens} new tokens, "
              f"interval {args.interval}, window {args.window}, sink {args.sink}; peak KV summed over batches of "
              f"{args.batch_size} (the prompt is kept whole at prefill, so its length sets a floor); alpha over the "
-             "sampler's top-20 tokens, a lower bound whose ceiling (the top-20 mass) the dense row shows", "",
+             f"sampler's top-{ALPHA_TOPK} tokens, a lower bound whose ceiling (the top-{ALPHA_TOPK} mass) the dense row "
+             "shows", "",
              "| rollout | budget | accuracy | peak KV (MiB) | vs dense | alpha mean | alpha p05 | tokens | time (s) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for sparse, r in rows:
