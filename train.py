@@ -7,7 +7,10 @@
     python train.py --steps 0 --eval-policies snapkv streaming --eval-budgets 16 24   # evaluate only
     python train.py --resume                     # continue from the last checkpoint in --out
     python train.py --model PATH --data train.jsonl --eval-data test.jsonl --device cuda --dtype bfloat16
-    python train.py --model smollm2-135m         # a real model on the CPU: the 5-step CPU preset
+    python train.py --model smollm2-135m         # a real model on the CPU: 5 steps on arithmetic questions
+    python train.py --model smollm2-135m --device cuda   # ... on one GPU: 16 x 8 rollouts, bf16 autocast
+
+The settings of each kind of run, the flags and their checks are in cli.py (`--help` shows every value).
 
 With no --model, a 2-layer Llama is built from a transformers config, warmed up with a short
 supervised phase on the toy task (cached in <out>/warmup with the settings it was made with, so
