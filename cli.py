@@ -33,7 +33,7 @@ DATA = Path(__file__).resolve().parent / "data"
 ARITHMETIC = dict(CPU, data=str(DATA / "arithmetic_train.jsonl"), eval_data=str(DATA / "arithmetic_test.jsonl"),
                   max_new_tokens=128, temperature=0.7)
 # --model smollm2-135m --device cuda (no --data) is the one-GPU run of README "A real model learns on one GPU": the
-# arithmetic data at 16 prompts x 8 rollouts (the batch; 128 rows decode as fast as 8 on a launch-bound GPU),
+# arithmetic data at 16 prompts x 8 rollouts (128 rows decode about as fast as 8 on a launch-bound GPU),
 # 256 new tokens, so that responses that run on evict past the prompt too; budget 128 of a 173-175-token prompt
 # evicts on every rollout. The whole held-out file (64) every 10 steps, bf16 forwards over fp32 weights. Time, an
 # ESTIMATE, not a measurement: a decode step of this 30-layer model runs ~1700 small torch ops (counted on the CPU
