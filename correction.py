@@ -81,7 +81,7 @@ def response_logprobs(model, rollouts, temperature=1.0, topk=False, chunk=None, 
     N * chunk * V under CHUNK_ELEMENTS), so the vocabulary-sized part of the peak is about
     2 * N * chunk * V * 4 bytes (logits and log-probs, fp32) instead of 2 * N * T * V * 4: with
     Qwen's V = 151936, 32 rows of 4096 tokens would need ~160 GB at once, ~1 GiB a chunk. With
-    grad, each chunk is recomputed in the backward pass (checkpointed) rather than kept.
+    grad and more than one chunk, each chunk is recomputed in the backward pass (checkpointed), not kept.
     """
     tokens, mask, prompts = rollouts.tokens, rollouts.mask, rollouts.prompts
     check_shapes(tokens=tokens, mask=mask, logprobs=rollouts.logprobs)
@@ -116,7 +116,7 @@ def response_logprobs(model, rollouts, temperature=1.0, topk=False, chunk=None, 
         return logp_all.gather(-1, tokens[..., None]).squeeze(-1), logp_all.gather(-1, ids_k)
 
     chunk = chunk or max(1, CHUNK_ELEMENTS // (N * model.config.vocab_size))
-    checkpointed = torch.is_grad_enabled() and h.requires_grad
+    checkpointed = torch.is_grad_enabled() and h.requires_grad and T > chunk   # one chunk: nothing to save
     parts = [torch.utils.checkpoint.checkpoint(score, *args, use_reentrant=False) if checkpointed else score(*args)
              for args in zip(h.split(chunk, 1), tokens.split(chunk, 1), ids_k.split(chunk, 1))]
     logp = torch.cat([p[0] for p in parts], 1).masked_fill(mask.to(device) == 0, 0.0)
