@@ -55,8 +55,7 @@ def greedy(model, tokenizer, examples, sparse, max_new_tokens, batch_size, lora=
         batch = examples[first: first + batch_size]
         with lora.on() if lora and sparse.policy != "full" else nullcontext():
             out = generate(model, [encode_prompt(tokenizer, e["prompt"]) for e in batch], sparse, max_new_tokens,
-                           temperature=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                           logprobs_topk=C.ALPHA_TOPK)
+                           temperature=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         yield batch, out
 
 

@@ -18,6 +18,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from correction import ALPHA_TOPK   # the top-k that alpha sums over, the same everywhere
 from kvcache import KVCache, SparseConfig, sparse_attention
 from static import StaticCache, capture
 
@@ -149,7 +150,7 @@ def decode(model, cache, token, positions, noise, temperature, top_p, k):
 
 @torch.no_grad()   # not inference_mode: the rollouts it returns are trained on, and autograd must accept them
 def generate(model, prompts, sparse=SparseConfig(), max_new_tokens=256, temperature=1.0, top_p=1.0,
-             eos_token_id=None, pad_token_id=0, seed=0, logprobs_topk=20, record=False, captured=False):
+             eos_token_id=None, pad_token_id=0, seed=0, logprobs_topk=ALPHA_TOPK, record=False, captured=False):
     """Sample a response for every prompt through a `KVCache` compressed as `sparse` says.
 
     prompts: N lists of token ids (any lengths). Left-padded prefill, then one token per step

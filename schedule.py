@@ -27,7 +27,7 @@ import torch
 
 import distill
 import tasks
-from correction import ALPHA_TOPK, acceptance, dense_logprobs  # alpha = sum_v min(p_a, p_b) (section 4)
+from correction import acceptance, dense_logprobs  # alpha = sum_v min(p_a, p_b) (section 4)
 from kvcache import DENSE, SparseConfig
 from models import DTYPES, autocast, load_pretrained, pick_device
 from sampler import generate
@@ -133,7 +133,7 @@ def measure(model, prompts, sparse, max_new_tokens, temperature=1.0, eos_token_i
     """
     with adapter.on() if adapter else nullcontext():
         out = generate(model, prompts, sparse, max_new_tokens, temperature, eos_token_id=eos_token_id,
-                       pad_token_id=pad_token_id, seed=seed, logprobs_topk=ALPHA_TOPK)
+                       pad_token_id=pad_token_id, seed=seed)
     _, topk_dense = dense_logprobs(model, out, topk=True, temperature=temperature)
     return acceptance(topk_dense, out.topk_logprobs), token_contexts(out)
 

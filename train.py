@@ -137,8 +137,8 @@ def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, st
     with lora.on() if lora else nullcontext(), autocast(args.dtype, model.device):   # record: for phi's forward
         rollouts = generate(model, [encode_prompt(tokenizer, e["prompt"]) for e in group], sparse,
                             args.max_new_tokens, args.temperature, eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=tokenizer.pad_token_id, seed=seed, logprobs_topk=C.ALPHA_TOPK,
-                            record=lora is not None, captured=args.captured)
+                            pad_token_id=tokenizer.pad_token_id, seed=seed, record=lora is not None,
+                            captured=args.captured)
     rewards = rewards_of(rollouts, group, tokenizer, reward)
     metrics = dict(step=step, reward=rewards.mean().item(), accuracy=(rewards == 1).float().mean().item())
     if args.keep < args.group_size:                                  # PODS: train on the m most informative

@@ -363,8 +363,9 @@ def test_training_and_calibration_measure_alpha_with_one_k(monkeypatch):
     real = S.generate
 
     def spy(*a, **k):
-        seen.append(k.get("logprobs_topk"))
-        return real(*a, **k)
+        out = real(*a, **k)
+        seen.append(out.topk_ids.shape[-1])                          # the k the rollouts carry
+        return out
     model = models.toy_model(char_tokenizer())
     monkeypatch.setattr(S, "generate", spy)
     S.measure(model, [[1, 5, 6]], SparseConfig("snapkv", budget=8, interval=2, window=2, sink=2), 4)
@@ -373,7 +374,8 @@ def test_training_and_calibration_measure_alpha_with_one_k(monkeypatch):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     train.rl_step(model, None, opt, char_tokenizer(), make_examples("sort", 4, 5, 4, 8), reward_fn("sort"),
                   train.sparse_config(args), args, 1)
-    assert seen == [64, 64] and ALPHA_TOPK == 64
+    assert ALPHA_TOPK == 64 and model.config.vocab_size == 34
+    assert seen == [34, 34]                                           # min(64, V): the whole toy vocabulary
 
 
 def test_threads_by_model_size():
