@@ -8,11 +8,14 @@ remedy: a cache whose shapes never change, so one step is captured once and repl
 launches for the price of one.
 
 How, here:
-- `StaticCache` is `kvcache.KVCache` with the same preallocated buffers, read whole. A decode step
-  writes its key at a slot held in a device tensor (`cursor`), and attends over every slot of the
-  buffers (`budget + interval` for eviction, `prompt + max_new_tokens` for full and blocktopk) under
-  the mask of their positions (-1: empty, padding or evicted). Block top-k scores every page of the
-  buffer and gathers a fixed number of pages. Nothing in a step reads a host int that changes.
+- `StaticCache` is `kvcache.KVCache` with the same preallocated buffers (`budget + interval` slots
+  for eviction, `prompt + max_new_tokens` for full and blocktopk). A decode step writes its key at a
+  slot held in a device tensor (`cursor`), and attends over the first `span` slots under the mask of
+  their positions (-1: empty, padding or evicted). Block top-k scores every page of the span and
+  gathers a fixed number of pages. Nothing in a step reads a host int that changes from step to step.
+- `span` is the slots held, rounded up to a multiple of 1/SPANS of the buffer: a growing dense cache
+  reads about what it holds (gpt-fast reads its whole buffer at every step: 1.5x the mean context of
+  a rollout that doubles its prompt), at the price of one graph per span, SPANS at most.
 - The host's bookkeeping (`start_step`: which rows compress, budgets, pages per row) runs before the
   step, as in the eager cache; so does a compression. A step at which any row compresses runs the
   eager path itself, in the same buffers: its scores need that step's own query and key, made inside
@@ -43,6 +46,8 @@ import torch
 from kvcache import DENSE, KVCache, attention
 from policies import top_pages
 
+SPANS = 16  # a step reads the held slots rounded up to a 16th of the buffer: ~3 % of a dense buffer more
+
 
 class StaticCache(KVCache):
     """`KVCache` whose decode steps keep their shapes; prefill and compressing steps run the eager cache.
@@ -53,7 +58,8 @@ class StaticCache(KVCache):
     now     [B, 1]      the step's positions, copied in by `start_step`
     pages   [B] long    blocktopk: pages attended per row at this step, from the host's choice
     seen    per layer   with record=True: the positions the step attended, cloned into `history`
-    The host keeps `Layer.size` and `Layer.ring` in step (`end_step`), so an eager step can follow.
+    The host keeps `Layer.size` and `Layer.ring` in step (`end_step`), so an eager step can follow,
+    and sets `span` (an int: the slots a step reads), which changes every 1/SPANS of the buffer.
     """
 
     def __init__(self, *args, **kwargs):
@@ -71,6 +77,9 @@ class StaticCache(KVCache):
         if resuming:             # after the prefill or a compression, the host's layout is the truth
             self.resume()
         self.now.copy_(positions)
+        capacity = self.layers[0].pos_buf.shape[-1]
+        grain = -(-capacity // SPANS)                                      # ceil: SPANS spans at most
+        self.span = min(capacity, -(-(self.layers[0].size + 1) // grain) * grain)
         if self.sparse.policy == "blocktopk":
             self.pages.copy_(self.top)
 
@@ -100,7 +109,7 @@ class StaticCache(KVCache):
     # the step (traced, captured): tensors in place, no host ints that change
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """Called by the model: write the new key and value [B, H_kv, 1, D] at `cursor`; -> the whole buffers."""
+        """Called by the model: write the new key and value [B, H_kv, 1, D] at `cursor`; -> the span's slots."""
         if not self.static:
             return super().update(key_states, value_states, layer_idx)
         layer = self.layers[layer_idx]
@@ -110,26 +119,29 @@ class StaticCache(KVCache):
         layer.acc_buf.index_fill_(2, self.cursor, 0.0)
         if layer.page_size:
             layer.add_pages(key_states, self.now)
-        return layer.k_buf, layer.v_buf
+        return layer.k_buf[:, :, :self.span], layer.v_buf[:, :, :self.span]
 
     def attend(self, layer_idx, query, scaling, sliding_window=None):
-        """Called by the hook: attend over every slot, masked by position. query [B, H, 1, D] -> [B, H, 1, D]."""
+        """Called by the hook: attend over the span's slots, masked by position. query [B, H, 1, D] -> [B, H, 1, D]."""
         if not self.static:
             return super().attend(layer_idx, query, scaling, sliding_window)
         layer, sparse = self.layers[layer_idx], self.sparse
         if sparse.policy in ("snapkv", "rkv"):
             layer.queries.index_copy_(2, self.ring, query)
             layer.query_pos.index_copy_(1, self.ring, self.now)
-        keys, values, key_pos = layer.k_buf, layer.v_buf, layer.pos_buf
+        span = slice(0, self.span)
+        keys, values, key_pos = layer.k_buf[:, :, span], layer.v_buf[:, :, span], layer.pos_buf[:, :, span]
         if sparse.policy == "blocktopk" and layer_idx >= sparse.dense_layers:
-            index, key_pos = top_pages(layer, query, self.pages, self.k_pages, layer.pos_buf)
+            index, key_pos = top_pages(layer, query, self.pages, self.k_pages, key_pos)
             keys, values = layer.gather(index)
         out, received = attention(query, keys, values, key_pos, self.now, scaling, sliding_window,
                                   weights=sparse.policy == "h2o")
         if received is not None:  # H2O: what each key received, the mean over its group of query heads
-            layer.acc_buf += received.unflatten(1, (keys.shape[1], -1)).mean(2)
-        if self.history is not None:
-            self.seen[layer_idx].copy_(key_pos)
+            layer.acc_buf[:, :, span] += received.unflatten(1, (keys.shape[1], -1)).mean(2)
+        if self.history is not None:   # a span (or, blocktopk, its pages) may be shorter than `seen`
+            seen = self.seen[layer_idx]
+            seen[..., :key_pos.shape[-1]].copy_(key_pos)
+            seen[..., key_pos.shape[-1]:] = -1
         if layer_idx == self.num_layers - 1:      # every layer wrote at `cursor`: the next step writes past it
             self.cursor.add_(1)
             self.ring.copy_((self.ring + 1) % sparse.window)
@@ -150,18 +162,19 @@ def capture(step, cache):
     """`step(token, positions, noise)` as a static step runs: from a CUDA graph on a GPU, as it is elsewhere.
 
     On CUDA the first static step runs plainly on a side stream (it warms up the libraries a capture must
-    not initialise), the second is captured into a graph and every one from then on replays it: the
-    inputs are copied into the graph's own tensors, the outputs cloned out of its pool. `cache.end_step()`
-    follows each step.
+    not initialise); the first step of each `cache.span` is captured into a graph of its own, and every
+    later step of that span replays it: the inputs are copied into the graphs' tensors, the outputs cloned
+    out of their pool. The graphs share one memory pool: one runs at a time, and no graph's output is read
+    after another has run. `cache.end_step()` follows each step.
     """
-    graph, inputs, outputs = None, None, None
+    graphs, outputs, inputs, pool = {}, {}, None, None
 
     def run(*args):
-        nonlocal graph, inputs, outputs
-        device = args[0].device
+        nonlocal inputs, pool
+        device, span = args[0].device, cache.span
         if device.type != "cuda":
             out = step(*args)
-        elif graph is None and inputs is None:        # the warm-up: a real step, on a side stream
+        elif inputs is None:                          # the warm-up: a real step, on a side stream
             inputs = [a if a is None else a.clone() for a in args]
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -172,12 +185,13 @@ def capture(step, cache):
             for mine, given in zip(inputs, args):
                 if given is not None:
                     mine.copy_(given)
-            if graph is None:                         # capture records the kernels, runs none of them
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    outputs = step(*inputs)
-            graph.replay()
-            out = tuple(o.clone() for o in outputs)
+            if span not in graphs:                    # capture records the kernels, runs none of them
+                graphs[span] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[span], pool=pool):
+                    outputs[span] = step(*inputs)
+                pool = graphs[span].pool()
+            graphs[span].replay()
+            out = tuple(o.clone() for o in outputs[span])
         cache.end_step()
         return out
 
@@ -241,7 +255,9 @@ def main(argv=None):
                 out = generate(model, prompts, sparse, max_new_tokens=args.new, temperature=0, captured=captured)
                 speed[captured].append(out.stats["tokens_per_s"])
         eager, static = statistics.median(speed[False]), statistics.median(speed[True])
-        print(f"{policy:>10}: eager {eager:8.1f}  static {static:8.1f}  static / eager {static / eager:.2f}x  "
+        paired = statistics.median(b / a for a, b in zip(speed[False], speed[True]))   # robust to a slow round
+        print(f"{policy:>10}: eager {eager:8.1f}  static {static:8.1f}  static / eager {static / eager:.2f}x, "
+              f"median of the pairs' ratios {paired:.2f}x  "
               f"(rounds: {', '.join(f'{a:.1f}/{b:.1f}' for a, b in zip(speed[False], speed[True]))})")
 
 

@@ -10,7 +10,9 @@ import torch
 import bench
 import bench_gpu
 import kvcache
+import sampler
 from kvcache import SparseConfig
+from sampler import generate
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +121,8 @@ def gpu_quick(tmp_path_factory):
 
 def test_gpu_bench_writes_every_row_table_and_target(gpu_quick):
     record, text, saved = gpu_quick
-    keys = [" ".join([sampler if sampler == bench.HF else f"ours {sampler}", length]) for sampler, length, _ in bench_gpu.ROWS]
+    keys = [f"{bench_gpu.row_label(sampler, extra)} {length}" for sampler, length, extra in bench_gpu.ROWS]
+    assert "ours full captured=True new" in keys
     assert list(record["rows"]) == list(saved["rows"]) == keys
     for heading in ("### 1.", "### 2.", "### 3.", "### 4.", "### Targets", "Total wall time"):
         assert heading in text
@@ -139,6 +142,26 @@ def test_gpu_bench_kv_columns_equal_the_formula_by_hand(gpu_quick):
     assert rows["ours full new"]["kv_formula_bytes"] == per_token * (prompt_len + steps - 1)
     for name in bench.EVICTION:                         # budget 32 + interval 8, at any length
         assert rows[f"ours {name} any"]["kv_tokens"] == 40 and rows[f"ours {name} any"]["rollout_kv_bytes"] == per_token * 40
+
+
+def test_the_timed_window_counts_the_steps_a_graph_replays(monkeypatch):
+    # a CUDA graph replays a step without calling the model: a capture that replays the first static step's
+    # output stands in for it here. The window's clock must still start before pass 10, not at the model's 10th call
+    def replaying(step, cache):
+        first = []
+
+        def run(*args):
+            first.append(first[0] if first else step(*args))
+            cache.end_step()
+            return first[0]
+        return run
+    monkeypatch.setattr(sampler, "capture", replaying)
+    model, prompts = bench_gpu.qwen3_model(bench_gpu.TINY, torch.device("cpu")), [[1, 2, 3]] * 2
+    model_calls, clocked = [], []
+    model.register_forward_pre_hook(lambda *args: model_calls.append(1))
+    with bench_gpu.forward_calls(model, "full", 10, lambda: clocked.append(len(model_calls))):
+        generate(model, prompts, SparseConfig("full"), max_new_tokens=20, temperature=0, captured=True)
+    assert clocked == [2] and len(model_calls) == 2          # the prefill and the first static step; 18 replayed
 
 
 def test_largest_batch_doubles_then_bisects_to_the_known_answer():

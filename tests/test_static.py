@@ -9,6 +9,7 @@ import sampler
 from kvcache import SparseConfig
 from reference import hf_greedy, masked_dense_logprobs, tiny_model
 from sampler import generate, sample_token
+import static
 from static import StaticCache
 
 PROMPTS = [[5, 9, 3, 7, 1, 12, 33, 8, 2], [4, 17, 6], [21, 22, 23, 24, 25, 26]]   # ragged: left-padded
@@ -17,8 +18,9 @@ CONFIGS = [SparseConfig("full"), *(SparseConfig(p, budget=8, interval=3, window=
            SparseConfig("blocktopk", budget=4, page_size=4, dense_layers=1)]
 
 
-def step_kinds(monkeypatch):
-    """Record, for every decode step of a captured run, whether it ran static or eager (a compression)."""
+def step_kinds(monkeypatch, spans=None):
+    """Record, for every decode step of a captured run, whether it ran static or eager (a compression),
+    and in `spans` the slots each static step read."""
     kinds = []
     start_step = StaticCache.start_step
 
@@ -26,6 +28,8 @@ def step_kinds(monkeypatch):
         start_step(cache, positions)
         if cache.decoding:
             kinds.append("static" if cache.static else "eager")
+            if cache.static and spans is not None:
+                spans.append(cache.span)
     monkeypatch.setattr(StaticCache, "start_step", recorded)
     return kinds
 
@@ -58,7 +62,8 @@ def test_static_path_equals_the_eager_path(monkeypatch, sparse, temperature, top
     run = lambda captured: generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=temperature, top_p=top_p,
                                     eos_token_id=eos, seed=3, record=True, captured=captured)
     eager = run(False)
-    kinds = step_kinds(monkeypatch)
+    spans = []
+    kinds = step_kinds(monkeypatch, spans)
     static = run(True)
     assert torch.equal(static.tokens, eager.tokens) and torch.equal(static.mask, eager.mask)
     assert (static.logprobs - eager.logprobs).abs().max() < 1e-5
@@ -70,6 +75,18 @@ def test_static_path_equals_the_eager_path(monkeypatch, sparse, temperature, top
         assert any(a == "eager" and b == "static" for a, b in zip(kinds, kinds[1:]))
     if temperature == 0:
         assert len(set(eager.mask.sum(1).tolist())) > 1       # the rows ended at different steps
+    assert len(set(spans)) > 1                                 # the test crossed from one span to the next
+
+
+def test_a_span_reads_the_held_slots_rounded_up(monkeypatch):
+    # a dense buffer of 9 + 30 = 39 slots in 4 spans of ceil(39 / 4) = 10: a step holding s slots after
+    # its write reads ceil(s / 10) * 10 of them (39 at most), never fewer than it holds
+    monkeypatch.setattr(static, "SPANS", 4)
+    spans = []
+    step_kinds(monkeypatch, spans)
+    out = generate(tiny_model("llama"), PROMPTS, SparseConfig("full"), max_new_tokens=30, temperature=0, captured=True)
+    held = range(10, 10 + len(spans))                        # 9 prompt slots + the step's own key, step 1 on
+    assert spans == [min(39, -(-s // 10) * 10) for s in held] and out.tokens.shape[1] == 30
 
 
 def test_static_dense_greedy_equals_hugging_face():
@@ -98,19 +115,21 @@ def test_a_seeded_static_sample_is_reproducible():
 @pytest.mark.parametrize("arch, sparse", [("llama", s) for s in CONFIGS] + [
     ("qwen3", CONFIGS[4]), ("mistral", CONFIGS[0]), ("mistral", CONFIGS[4])], ids=lambda x: getattr(x, "policy", x))
 def test_the_static_step_traces_whole(monkeypatch, arch, sparse):
-    # torch.compile(fullgraph=True) raises at any graph break; one compiled frame over every static step
-    # (including those right after a compression) means nothing in the step depends on a host value that changes
+    # torch.compile(fullgraph=True) raises at any graph break; one compiled frame per span over every static
+    # step (including those right after a compression) means nothing else in the step depends on a host value
     model = tiny_model(arch, **({"sliding_window": 12} if arch == "mistral" else {}))
+    monkeypatch.setattr(static, "SPANS", 3)            # dynamo compiles once per span (a guard on the int)
     counter = CompileCounter()                          # the "eager" backend, counting what it compiles
     torch._dynamo.reset()
     capture = sampler.capture
     monkeypatch.setattr(sampler, "capture", lambda step, cache: capture(
         torch.compile(step, fullgraph=True, dynamic=False, backend=counter), cache))
-    kinds = step_kinds(monkeypatch)
+    spans = []
+    kinds = step_kinds(monkeypatch, spans)
     traced = generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=1.0, seed=3, record=True, captured=True)
     monkeypatch.undo()
     eager = generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=1.0, seed=3)
-    assert counter.frame_count == 1 and counter.op_count > 100
+    assert counter.frame_count == len(set(spans)) and counter.op_count > 100 * counter.frame_count
     assert kinds.count("static") >= 10
     assert torch.equal(traced.tokens, eager.tokens)
     assert (traced.logprobs - eager.logprobs).abs().max() < 1e-5
