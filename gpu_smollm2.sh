@@ -8,12 +8,13 @@
 #   bash gpu_smollm2.sh check                 # device call 1 (carry .gpu-model-a): the GPU, torch, part a, a toy run
 #   bash gpu_smollm2.sh setup                 # device call 2 (carry .gpu-model-b): join, verify, install gguf
 #   bash gpu_smollm2.sh run dense sparse-rl   # then, same call or the next: train each variant, tar it into $OUT
+#                                             # (PARALLEL=1: all of them at once, sharing the GPU)
 #   bash gpu_smollm2.sh unpack DIR            # here: the returned <variant>-s<seed>.tgz into results/runs-gpu/
 #   bash gpu_smollm2.sh report                # here: report.py runs on results/runs-gpu -> results/smollm2_gpu*
 #
 # Low-level steps (tested in tests/test_real_model.py): split SRC DIR_A DIR_B, join DIR_A DIR_B DEST.
-# Settings from the environment: SEED (0), LIMIT (seconds per variant, 270), DEVICE (cuda), EXTRA (more train.py
-# flags), RUNS (runs-gpu), MODEL_DIR (~/.cache/sparse-rl/gguf), SITE (/tmp/site). Every failure is one line.
+# Settings from the environment: SEED (0), LIMIT (seconds per variant, 270), PARALLEL (0), DEVICE (cuda), EXTRA
+# (more train.py flags), RUNS (runs-gpu), MODEL_DIR (~/.cache/sparse-rl/gguf), SITE (/tmp/site). Every failure is one line.
 set -uo pipefail
 cd "$(dirname "$0")"
 
@@ -113,8 +114,33 @@ setup() {         # device call 2: join the halves (unless a warm machine has th
     echo "gguf installed into $SITE"
 }
 
-run() {           # run VARIANT...: each one train.py run, cut at LIMIT seconds, tarred into $OUT/<variant>-s<seed>.tgz
-    local seed=${SEED:-0} limit=${LIMIT:-270} device=${DEVICE:-cuda} runs=${RUNS:-runs-gpu} failed=0 v dir rc
+one() {           # one VARIANT SEED LIMIT DEVICE RUNS THREADS: a train.py run, cut at LIMIT s, tarred into $OUT
+    local v=$1 seed=$2 limit=$3 device=$4 runs=$5 threads=$6 dir=$5/$1-s$2 rc failed=0
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU";
+      "$PY" -c "import torch; print('torch', torch.__version__)"; echo "runs at once on this machine: ${PARALLEL_RUNS:-1}"; } > "$dir/device.txt"
+    echo "$(date +%T) $v seed $seed: $PY train.py --model smollm2-135m --device $device ${VARIANTS[$v]} --seed $seed --out $dir ${threads:+--threads $threads} ${EXTRA:-} (at most $limit s)"
+    # shellcheck disable=SC2086   # the flags are words
+    PYTHONUNBUFFERED=1 timeout -k 10 "$limit" "$PY" train.py --model smollm2-135m --device "$device" ${VARIANTS[$v]} \
+        --seed "$seed" --out "$dir" ${threads:+--threads $threads} ${EXTRA:-} > "$dir/train.log" 2>&1
+    rc=$?
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+        echo "$v: stopped at the $limit s limit after step $(tail -1 "$dir/metrics.jsonl" 2>/dev/null | "$PY" -c 'import json, sys; print(json.load(sys.stdin)["step"])' 2>/dev/null || echo 0); its last evaluation is its 'after'"
+    elif [ "$rc" != 0 ]; then
+        failed=1
+        echo "$v: train.py failed (exit $rc); the end of its log:"
+        tail -5 "$dir/train.log"
+    fi
+    sed -n '/^| accuracy/,$p' "$dir/train.log"
+    (cd "$runs" && tar czf "$OUT/$v-s$seed.tgz" --ignore-failed-read "$v-s$seed"/{metrics.jsonl,eval.jsonl,train.log,device.txt} \
+        "$v-s$seed"/step-*/args.json 2>/dev/null)
+    echo "$(date +%T) $v: $OUT/$v-s$seed.tgz"
+    return $failed
+}
+
+run() {           # run VARIANT...: each one train.py run (`one`), one after another, or all at once with PARALLEL=1
+    local seed=${SEED:-0} limit=${LIMIT:-270} device=${DEVICE:-cuda} runs=${RUNS:-runs-gpu} failed=0 v threads=""
     [ $# -gt 0 ] || die "run needs variants: ${!VARIANTS[*]}"
     for v in "$@"; do [ -n "${VARIANTS[$v]:-}" ] || die "unknown variant '$v': ${!VARIANTS[*]}"; done
     [ -n "${OUT:-}" ] || die "OUT is not set: the folder whose files come back from the device"
@@ -122,29 +148,18 @@ run() {           # run VARIANT...: each one train.py run, cut at LIMIT seconds,
     [ -f "$SMOLLM2_GGUF" ] || die "the model $SMOLLM2_GGUF is not on this machine (it went cold and was given back): $AGAIN"
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
     "$PY" -c "import gguf" 2>/dev/null || die "the gguf package is not importable from $SITE: run 'bash gpu_smollm2.sh setup'"
-    for v in "$@"; do
-        dir=$runs/$v-s$seed
-        rm -rf "$dir"
-        mkdir -p "$dir"
-        { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU";
-          "$PY" -c "import torch; print('torch', torch.__version__)"; } > "$dir/device.txt"
-        echo "$(date +%T) $v seed $seed: $PY train.py --model smollm2-135m --device $device ${VARIANTS[$v]} --seed $seed --out $dir ${EXTRA:-} (at most $limit s)"
-        # shellcheck disable=SC2086   # the flags are words
-        PYTHONUNBUFFERED=1 timeout -k 10 "$limit" "$PY" train.py --model smollm2-135m --device "$device" ${VARIANTS[$v]} \
-            --seed "$seed" --out "$dir" ${EXTRA:-} > "$dir/train.log" 2>&1
-        rc=$?
-        if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
-            echo "$v: stopped at the $limit s limit after step $(tail -1 "$dir/metrics.jsonl" 2>/dev/null | "$PY" -c 'import json, sys; print(json.load(sys.stdin)["step"])' 2>/dev/null || echo 0); its last evaluation is its 'after'"
-        elif [ "$rc" != 0 ]; then
-            failed=1
-            echo "$v: train.py failed (exit $rc); the end of its log:"
-            tail -5 "$dir/train.log"
-        fi
-        sed -n '/^| accuracy/,$p' "$dir/train.log"
-        (cd "$runs" && tar czf "$OUT/$v-s$seed.tgz" --ignore-failed-read "$v-s$seed"/{metrics.jsonl,eval.jsonl,train.log,device.txt} \
-            "$v-s$seed"/step-*/args.json 2>/dev/null)
-        echo "$(date +%T) $v: $OUT/$v-s$seed.tgz"
-    done
+    if [ "${PARALLEL:-0}" = 1 ]; then
+        # A 135M model's decode step is bound by launching its kernels, one CPU core each: N runs share the GPU
+        # in about the time of one, each on its share of the cores. Their step times are then those of N runs
+        # side by side (device.txt says so): compare them with each other, not with a run alone.
+        export PARALLEL_RUNS=$#
+        threads=$(( $(nproc) / $# > 0 ? $(nproc) / $# : 1 ))
+        for v in "$@"; do one "$v" "$seed" "$limit" "$device" "$runs" "$threads" > "$runs.$v.out" 2>&1 & done
+        for v in "$@"; do wait -n || failed=1; done
+        for v in "$@"; do cat "$runs.$v.out"; rm -f "$runs.$v.out"; done
+    else
+        for v in "$@"; do one "$v" "$seed" "$limit" "$device" "$runs" "" || failed=1; done
+    fi
     return $failed
 }
 
