@@ -37,6 +37,7 @@ Speed, side by side in one run (random Llama weights, greedy, each pair interlea
 
     OMP_NUM_THREADS=1 python static.py                      # bench.py's model shape, on the CPU
     python static.py --device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 1536 --hf
+    python static.py --device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 64 --rounds 1 --profile 64
 """
 import argparse
 import statistics
@@ -208,6 +209,24 @@ SHAPES = {  # layers, hidden, heads, kv heads, ffn, vocab
 }
 
 
+def profile(model, prompts, sparse, steps):
+    """Where a decode step's time goes, eager against captured: torch.profiler over a `steps`-token rollout of each
+    (the prefill included), its device-kernel time and kernel launches per step, and the ops that took the most."""
+    from torch.profiler import ProfilerActivity
+    from sampler import generate
+    cuda = model.device.type == "cuda"
+    for captured in (False, True):
+        generate(model, prompts, sparse, max_new_tokens=steps, temperature=0, captured=captured)   # warm-up
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+            out = generate(model, prompts, sparse, max_new_tokens=steps, temperature=0, captured=captured)
+        events = prof.key_averages()
+        kernels = sum(e.self_device_time_total for e in events) / 1e3 / steps
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaGraphLaunch")) / steps
+        print(f"\n{sparse.policy}, {'captured' if captured else 'eager'}: {1e3 * out.stats['seconds'] / steps:.1f} ms a "
+              f"step under the profiler, device kernels {kernels:.1f} ms a step, {launches:.0f} launches a step")
+        print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=12))
+
+
 def main(argv=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -225,6 +244,8 @@ def main(argv=None):
     p.add_argument("--policies", default="full,snapkv,blocktopk")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--hf", action="store_true", help="also time Hugging Face generate (dense, greedy)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="then profile a STEPS-token rollout per policy, eager and captured (torch.profiler)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
@@ -259,6 +280,8 @@ def main(argv=None):
         print(f"{policy:>10}: eager {eager:8.1f}  static {static:8.1f}  static / eager {static / eager:.2f}x, "
               f"median of the pairs' ratios {paired:.2f}x  "
               f"(rounds: {', '.join(f'{a:.1f}/{b:.1f}' for a, b in zip(speed[False], speed[True]))})")
+    for policy in args.policies.split(",") if args.profile else []:
+        profile(model, prompts, SparseConfig(policy, budget=args.budget, interval=args.interval), args.profile)
 
 
 if __name__ == "__main__":
