@@ -241,8 +241,8 @@ def attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=N
     else:
         rows, keys, values = query, keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
         mask = visible(key_pos[:, :1], query_pos, sliding_window)
-    if not weights:
-        return F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scaling).view(B, H, q, D), None
+    if not weights:   # reshape: CUDA's memory-efficient kernel returns [B, H_kv, G, D] with G and H_kv not adjacent
+        return F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scaling).reshape(B, H, q, D), None
     outs, received = [], 0.0
     for start in range(0, rows.shape[2], CHUNK):
         part = slice(start, start + CHUNK)

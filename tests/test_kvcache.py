@@ -188,3 +188,21 @@ def test_unsupported_architecture_is_named():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
     with pytest.raises(ValueError, match="'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3"):
         check_model(gpt2)
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "static"])
+def test_attention_takes_sdpa_output_in_the_efficient_kernels_layout(monkeypatch, captured):
+    # On CUDA, SDPA's memory-efficient kernel (every masked decode step, every fp32 one) returns the decode
+    # rows [B, H_kv, G, D] with H_kv and G not adjacent in memory: same values, strides a view cannot merge
+    import kvcache
+    sdpa = kvcache.F.scaled_dot_product_attention
+
+    def efficient_layout(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+    model, prompts = tiny_model("llama"), [[5, 9, 3, 7], [4, 17]]                 # ragged: a masked decode
+    sparse = SparseConfig("snapkv", budget=8, interval=3, window=2, sink=2, kernel=3)
+    expected = generate(model, prompts, sparse, max_new_tokens=12, temperature=0, captured=captured)
+    monkeypatch.setattr(kvcache.F, "scaled_dot_product_attention", efficient_layout)
+    out = generate(model, prompts, sparse, max_new_tokens=12, temperature=0, captured=captured)
+    assert torch.equal(out.tokens, expected.tokens) and torch.equal(out.logprobs, expected.logprobs)
