@@ -13,9 +13,9 @@ How, here:
   slot held in a device tensor (`cursor`), and attends over the first `span` slots under the mask of
   their positions (-1: empty, padding or evicted). Block top-k scores every page of the span and
   gathers a fixed number of pages. Nothing in a step reads a host int that changes from step to step.
-- `span` is the slots held, rounded up to a multiple of 1/SPANS of the buffer: a growing dense cache
-  reads about what it holds (gpt-fast reads its whole buffer at every step: 1.5x the mean context of
-  a rollout that doubles its prompt), at the price of one graph per span, SPANS at most.
+- `span` is the slots held, rounded up to a multiple of SPAN: a growing dense cache reads about what
+  it holds (gpt-fast reads its whole buffer at every step: 1.5x the mean context of a rollout that
+  triples its prompt), at the price of one graph per span, a capture every SPAN steps.
 - The host's bookkeeping (`start_step`: which rows compress, budgets, pages per row) runs before the
   step, as in the eager cache; so does a compression. A step at which any row compresses runs the
   eager path itself, in the same buffers: its scores need that step's own query and key, made inside
@@ -47,7 +47,10 @@ import torch
 from kvcache import DENSE, KVCache, attention
 from policies import top_pages
 
-SPANS = 16  # a step reads the held slots rounded up to a 16th of the buffer: ~3 % of a dense buffer more
+# A step reads the held slots rounded up to a multiple of SPAN (or the whole buffer, if shorter): at 512 + 1536,
+# 64 slots more than it holds on average, one graph captured per 128 steps; a multiple of 16 keeps the attention
+# mask aligned as SDPA's memory-efficient kernel wants it (else it pads the mask at every layer).
+SPAN = 128
 
 
 class StaticCache(KVCache):
@@ -60,7 +63,7 @@ class StaticCache(KVCache):
     pages   [B] long    blocktopk: pages attended per row at this step, from the host's choice
     seen    per layer   with record=True: the positions the step attended, cloned into `history`
     The host keeps `Layer.size` and `Layer.ring` in step (`end_step`), so an eager step can follow,
-    and sets `span` (an int: the slots a step reads), which changes every 1/SPANS of the buffer.
+    and sets `span` (an int: the slots a step reads), which changes every SPAN steps of a growing cache.
     """
 
     def __init__(self, *args, **kwargs):
@@ -78,9 +81,8 @@ class StaticCache(KVCache):
         if resuming:             # after the prefill or a compression, the host's layout is the truth
             self.resume()
         self.now.copy_(positions)
-        capacity = self.layers[0].pos_buf.shape[-1]
-        grain = -(-capacity // SPANS)                                      # ceil: SPANS spans at most
-        self.span = min(capacity, -(-(self.layers[0].size + 1) // grain) * grain)
+        held = self.layers[0].size + 1                                   # with this step's own key
+        self.span = min(self.layers[0].pos_buf.shape[-1], -(-held // SPAN) * SPAN)
         if self.sparse.policy == "blocktopk":
             self.pages.copy_(self.top)
 
@@ -113,9 +115,9 @@ class StaticCache(KVCache):
         """Called by the model: write the new key and value [B, H_kv, 1, D] at `cursor`; -> the span's slots."""
         if not self.static:
             return super().update(key_states, value_states, layer_idx)
-        layer = self.layers[layer_idx]
-        layer.k_buf.index_copy_(2, self.cursor, key_states)
-        layer.v_buf.index_copy_(2, self.cursor, value_states)
+        layer = self.layers[layer_idx]   # under autocast keys come out fp32 (rotary), values bf16: one buffer dtype
+        layer.k_buf.index_copy_(2, self.cursor, key_states.to(layer.k_buf.dtype))
+        layer.v_buf.index_copy_(2, self.cursor, value_states.to(layer.v_buf.dtype))
         layer.pos_buf.index_copy_(2, self.cursor, self.now[:, None].expand(-1, key_states.shape[1], -1))
         layer.acc_buf.index_fill_(2, self.cursor, 0.0)
         if layer.page_size:

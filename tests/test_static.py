@@ -9,7 +9,6 @@ import sampler
 from kvcache import SparseConfig
 from reference import hf_greedy, masked_dense_logprobs, tiny_model
 from sampler import generate, sample_token
-import static
 from static import StaticCache
 
 PROMPTS = [[5, 9, 3, 7, 1, 12, 33, 8, 2], [4, 17, 6], [21, 22, 23, 24, 25, 26]]   # ragged: left-padded
@@ -62,6 +61,7 @@ def test_static_path_equals_the_eager_path(monkeypatch, sparse, temperature, top
     run = lambda captured: generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=temperature, top_p=top_p,
                                     eos_token_id=eos, seed=3, record=True, captured=captured)
     eager = run(False)
+    monkeypatch.setattr("static.SPAN", 3)                     # several spans, even in an eviction buffer of 11
     spans = []
     kinds = step_kinds(monkeypatch, spans)
     static = run(True)
@@ -79,9 +79,9 @@ def test_static_path_equals_the_eager_path(monkeypatch, sparse, temperature, top
 
 
 def test_a_span_reads_the_held_slots_rounded_up(monkeypatch):
-    # a dense buffer of 9 + 30 = 39 slots in 4 spans of ceil(39 / 4) = 10: a step holding s slots after
-    # its write reads ceil(s / 10) * 10 of them (39 at most), never fewer than it holds
-    monkeypatch.setattr(static, "SPANS", 4)
+    # a dense buffer of 9 + 30 = 39 slots, SPAN 10: a step holding s slots after its write reads
+    # ceil(s / 10) * 10 of them (39 at most), never fewer than it holds
+    monkeypatch.setattr("static.SPAN", 10)
     spans = []
     step_kinds(monkeypatch, spans)
     out = generate(tiny_model("llama"), PROMPTS, SparseConfig("full"), max_new_tokens=30, temperature=0, captured=True)
@@ -105,6 +105,18 @@ def test_static_eviction_equals_masking(sparse):
     assert (distill.sparse_logprobs(model, out).detach() - out.logprobs).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("sparse", [CONFIGS[0], CONFIGS[4], CONFIGS[-1]], ids=lambda s: s.policy)
+def test_the_static_path_runs_under_bf16_autocast(sparse):
+    # train.py --dtype bfloat16 --captured: fp32 weights under autocast give fp32 keys (rotary) and bf16 values;
+    # the static step stores both in the cache's buffers as the eager one does, and samples the same tokens
+    model = tiny_model("llama")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        run = lambda captured: generate(model, PROMPTS, sparse, max_new_tokens=20, temperature=0, captured=captured)
+        eager, static = run(False), run(True)
+    assert torch.equal(static.tokens, eager.tokens)
+    assert (static.logprobs - eager.logprobs).abs().max() < 1e-2
+
+
 def test_a_seeded_static_sample_is_reproducible():
     model = tiny_model("llama")
     run = lambda seed: generate(model, PROMPTS, SparseConfig("snapkv", budget=8, interval=3, window=2, sink=2),
@@ -118,7 +130,7 @@ def test_the_static_step_traces_whole(monkeypatch, arch, sparse):
     # torch.compile(fullgraph=True) raises at any graph break; one compiled frame per span over every static
     # step (including those right after a compression) means nothing else in the step depends on a host value
     model = tiny_model(arch, **({"sliding_window": 12} if arch == "mistral" else {}))
-    monkeypatch.setattr(static, "SPANS", 3)            # dynamo compiles once per span (a guard on the int)
+    monkeypatch.setattr("static.SPAN", 13)            # dynamo compiles once per span (a guard on the int)
     counter = CompileCounter()                          # the "eager" backend, counting what it compiles
     torch._dynamo.reset()
     capture = sampler.capture
