@@ -93,8 +93,9 @@ def test_dense_logprobs_equal_the_samplers_with_a_full_cache():
 
 
 @pytest.mark.parametrize("argv, steps", [([], 3), (["--correction", "sparse-rl", "--policy", "random"], 2),
-                                         (["--dtype", "bfloat16"], 2), (["--captured"], 2)],
-                         ids=["default", "random-policy", "bf16", "captured"])
+                                         (["--dtype", "bfloat16"], 2), (["--captured"], 2),
+                                         (["--captured", "--dtype", "bfloat16"], 2)],
+                         ids=["default", "random-policy", "bf16", "captured", "captured-bf16"])
 def test_train_runs_on_the_device(tmp_path, argv, steps):
     train.main(argv + ["--device", DEVICE.type, "--steps", str(steps), "--out", str(tmp_path)])
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
