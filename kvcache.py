@@ -106,18 +106,19 @@ class Layer:
     Valid slots stay in position order (holes may sit between them).
     """
 
-    def __init__(self, key, capacity, page_size=None):
-        B, H, _, D = key.shape
-        self.k_buf = key.new_zeros(B, H, capacity, D)
-        self.v_buf = key.new_zeros(B, H, capacity, D)
-        self.pos_buf = torch.full((B, H, capacity), -1, dtype=torch.long, device=key.device)
-        self.acc_buf = torch.zeros(B, H, capacity, dtype=torch.float32, device=key.device)
+    def __init__(self, like, capacity, page_size=None):
+        """Empty buffers of `capacity` slots, shaped, typed and placed like `like` [B, H_kv, q, D]."""
+        B, H, _, D = like.shape
+        self.k_buf = like.new_zeros(B, H, capacity, D)
+        self.v_buf = like.new_zeros(B, H, capacity, D)
+        self.pos_buf = torch.full((B, H, capacity), -1, dtype=torch.long, device=like.device)
+        self.acc_buf = torch.zeros(B, H, capacity, dtype=torch.float32, device=like.device)
         self.queries, self.query_pos, self.ring = None, None, 0
         self.size, self.scaling, self.holes = 0, None, False   # scaling: set by the hook
         self.page_size = page_size
         if page_size:   # positions < capacity, so capacity // page_size + 1 pages always suffice
-            self.page_sum = torch.zeros(B, H, capacity // page_size + 1, D, dtype=torch.float32, device=key.device)
-            self.page_count = torch.zeros(B, capacity // page_size + 1, dtype=torch.long, device=key.device)
+            self.page_sum = torch.zeros(B, H, capacity // page_size + 1, D, dtype=torch.float32, device=like.device)
+            self.page_count = torch.zeros(B, capacity // page_size + 1, dtype=torch.long, device=like.device)
 
     keys = property(lambda self: self.k_buf[:, :, : self.size])
     values = property(lambda self: self.v_buf[:, :, : self.size])
@@ -327,10 +328,12 @@ class KVCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Called by the model: store new keys and values [B, H_kv, q, D]; return the kept ones."""
         if layer_idx == len(self.layers):
+            # The buffers take the values' dtype: under bf16 autocast, rotary turns the keys fp32 while the values,
+            # and what attention reads, are bf16. Keys stored as they come would double the cache's bytes.
             paged = self.sparse.policy == "blocktopk" and layer_idx >= self.sparse.dense_layers
-            self.layers.append(Layer(key_states, self.capacity(key_states.shape[2]),
+            self.layers.append(Layer(value_states, self.capacity(key_states.shape[2]),
                                      self.sparse.page_size if paged else None))
-            self.bytes_per_slot += 2 * key_states[:, :, :1].numel() * key_states.element_size()
+            self.bytes_per_slot += 2 * value_states[:, :, :1].numel() * value_states.element_size()
         layer = self.layers[layer_idx]
         layer.append(key_states, value_states, self.step_pos)
         layer.holes = layer.holes or self.padded

@@ -206,3 +206,17 @@ def test_attention_takes_sdpa_output_in_the_efficient_kernels_layout(monkeypatch
     monkeypatch.setattr(kvcache.F, "scaled_dot_product_attention", efficient_layout)
     out = generate(model, prompts, sparse, max_new_tokens=12, temperature=0, captured=captured)
     assert torch.equal(out.tokens, expected.tokens) and torch.equal(out.logprobs, expected.logprobs)
+
+
+def test_under_bf16_autocast_the_cache_holds_bf16_at_half_the_bytes():
+    # fp32 weights under bf16 autocast (train.py --dtype bfloat16): rotary makes the keys fp32, the values are bf16;
+    # the cache stores both in bf16, what attention reads, and counts 2 bytes a value (the fp32 run's half)
+    model, prompts = tiny_model("llama"), [[5, 9, 3, 7], [4, 17]]
+    sparse = SparseConfig("snapkv", budget=8, interval=3, window=2, sink=2, kernel=3)
+    fp32 = generate(model, prompts, sparse, max_new_tokens=12, temperature=0, record=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = generate(model, prompts, sparse, max_new_tokens=12, temperature=0, record=True)
+    layer = bf16.stats["cache"].layers[0]
+    assert layer.k_buf.dtype == layer.v_buf.dtype == torch.bfloat16
+    assert bf16.stats["peak_kv_tokens"] == fp32.stats["peak_kv_tokens"]
+    assert 2 * bf16.stats["peak_kv_bytes"] == fp32.stats["peak_kv_bytes"]
