@@ -164,6 +164,11 @@ def load_pretrained(model, gguf_file=None, cache_dir=CACHE_DIR, device="cpu", dt
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as error:  # an unknown hub id, or no network: say so in one line
         raise ValueError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
+    # transformers 5.17 (the GPU machine's) gives SmolLM2's GGUF tokenizer eos <|im_start|>, while the config
+    # it reads from the same file's metadata says <|im_end|>. Rollouts end at the tokenizer's eos: trust the config.
+    eos = loaded.config.eos_token_id
+    if gguf_source(model, gguf_file) and isinstance(eos, int) and tokenizer.eos_token_id != eos:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return loaded.to(device).eval(), tokenizer

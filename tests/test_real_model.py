@@ -68,6 +68,22 @@ def test_the_cached_copy_is_the_gguf_model(smol):
 
 
 @real
+def test_the_loader_ends_rollouts_at_the_gguf_configs_eos(smol, cache_dir, tmp_path):
+    """transformers 5.17 reads SmolLM2's GGUF tokenizer with eos <|im_start|>: a cached copy saved that way must
+    still load with <|im_end|>, the eos of the config from the same file, or no rollout ends at its answer."""
+    folder = Path(models.pretrained_folder(models.SMOLLM2, cache_dir=cache_dir))
+    copy = tmp_path / folder.name
+    copy.mkdir()
+    for f in folder.iterdir():
+        (copy / f.name).symlink_to(f)
+    settings = json.loads((folder / "tokenizer_config.json").read_text()) | {"eos_token": "<|im_start|>"}
+    (copy / "tokenizer_config.json").unlink()
+    (copy / "tokenizer_config.json").write_text(json.dumps(settings))
+    _, tokenizer = models.load_pretrained(models.SMOLLM2, cache_dir=tmp_path)
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", smol[0].config.eos_token_id)
+
+
+@real
 def test_full_cache_greedy_equals_hugging_face(smol):
     model, tokenizer, prompts = smol
     ours = generate(model, prompts, SparseConfig("full"), max_new_tokens=48, temperature=0,
