@@ -144,7 +144,7 @@ class StaticCache(KVCache):
         if self.history is not None:   # a span (or, blocktopk, its pages) may be shorter than `seen`
             seen = self.seen[layer_idx]
             seen[..., :key_pos.shape[-1]].copy_(key_pos)
-            seen[..., key_pos.shape[-1]:] = -1
+            seen[..., key_pos.shape[-1]:].fill_(-1)
         if layer_idx == self.num_layers - 1:      # every layer wrote at `cursor`: the next step writes past it
             self.cursor.add_(1)
             self.ring.copy_((self.ring + 1) % sparse.window)
