@@ -5,10 +5,12 @@
   per-KV-head attention mask hides exactly what the sparse cache had evicted at each step.
 - `simulate_cache`: eviction for one prompt with Python loops, from explicit Q, K, V, written from
   docs/method.md's description of the authors' batch-1 code (not from kvcache.py).
+- `HostReads`: records the ops that read a device value on the host, what a CUDA graph cannot capture.
 """
 import math
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (AttentionInterface, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -24,6 +26,35 @@ def tiny_model(arch="llama", seed=0, **overrides):
     settings.update(overrides)
     torch.manual_seed(seed)
     return model_cls(config_cls(**settings)).eval()
+
+
+class HostReads(TorchDispatchMode):
+    """Records every op under it that a CUDA graph cannot capture: a device value read on the host (`.item()`,
+    `bool()`, `.tolist()`, `torch.equal`), an output shape that depends on data (`nonzero`,
+    boolean indexing), or host data copied in (`torch.tensor([...])`; a Python number, as in `x[:2] = 0.0`,
+    is a kernel argument and is allowed). On a GPU each one waits for the device, or fails inside a capture."""
+    SYNCS = {"aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero", "aten::nonzero", "aten::masked_select",
+             "aten::repeat_interleave.Tensor", "aten::_unique2", "aten::unique_consecutive"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __enter__(self):   # .tolist() reads the data without dispatching an op: watched by hand
+        self.tolist = torch.Tensor.tolist
+        torch.Tensor.tolist = lambda t: self.seen.append("tolist") or self.tolist(t)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self.tolist
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if (name in self.SYNCS or name == "aten::lift_fresh" and args[0].dim() > 0
+                or name == "aten::index.Tensor" and any(i is not None and i.dtype == torch.bool for i in args[1])):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
 
 
 def hf_greedy(model, prompts, max_new_tokens, pad_token_id=0, eos_token_id=None):

@@ -1,9 +1,11 @@
-"""The sampler against Hugging Face `generate`, a dense forward pass, and a masked dense pass."""
+"""The sampler against Hugging Face `generate`, a dense forward pass and a masked dense pass; and proof that
+no decode step reads a device value on the host (the host runs ahead of a GPU)."""
 import pytest
 import torch
 
+import sampler
 from kvcache import SparseConfig
-from reference import full_forward_logprobs, hf_greedy, masked_dense_logprobs, tiny_model
+from reference import HostReads, full_forward_logprobs, hf_greedy, masked_dense_logprobs, tiny_model
 from sampler import generate
 
 PROMPTS = [[5, 9, 3, 7, 1, 12, 33, 8, 2], [4, 17, 6], [21, 22, 23, 24, 25, 26]]
@@ -119,3 +121,23 @@ def test_bad_input_is_refused_before_any_forward_pass(prompts, kwargs, message):
     with pytest.raises(ValueError, match=message):
         generate(model, prompts, SparseConfig("full"), **kwargs)
     assert calls == []
+
+
+@pytest.mark.parametrize("sparse", [SparseConfig("full"), SparseConfig("h2o", budget=8, interval=3, window=2),
+                                    SparseConfig("snapkv", budget=8, interval=3, window=2, kernel=3),
+                                    SparseConfig("blocktopk", budget=4, page_size=4, dense_layers=1)],
+                         ids=lambda s: s.policy)
+@pytest.mark.parametrize("record", [False, True])
+def test_a_decode_step_never_waits_for_the_device(monkeypatch, sparse, record):
+    # the host runs ahead of a GPU only if no decode step reads a device value: not at a compression, not with
+    # record=True (DistillSparse); the cache's bookkeeping (which rows compress, budgets) is host tensors
+    model, reads, steps = tiny_model("llama"), HostReads(), []
+
+    def watched(*args, **kwargs):
+        steps.append(args[1].compressing)
+        with reads:
+            return decode(*args, **kwargs)
+    decode = sampler.decode
+    monkeypatch.setattr(sampler, "decode", watched)
+    generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=1.0, top_p=0.9, record=record)
+    assert len(steps) == 29 and (any(steps) or sparse.policy in ("full", "blocktopk")) and reads.seen == []
