@@ -38,7 +38,15 @@ class HostReads(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.seen = []
+        self.seen, self.calls = [], 0
+
+    def watch(self, fn):
+        """`fn`, run under this mode at every call (counted in `calls`)."""
+        def watched(*args, **kwargs):
+            self.calls += 1
+            with self:
+                return fn(*args, **kwargs)
+        return watched
 
     def __enter__(self):   # .tolist() reads the data without dispatching an op: watched by hand
         self.tolist = torch.Tensor.tolist

@@ -162,19 +162,11 @@ def test_host_reads_sees_what_a_capture_refuses():
     ("llama", CONFIGS[3], True), ("llama", CONFIGS[-1], True), ("qwen3", CONFIGS[4], False),
     ("mistral", CONFIGS[0], False)], ids=lambda x: getattr(x, "policy", x))
 def test_the_static_step_never_reads_the_device_on_the_host(monkeypatch, arch, sparse, record):
-    # run as it is (what the CPU does), every static step, model and sampling included, under HostReads; the
-    # eager steps around them (prefill, compressions) are free to read what they like
+    # run as it is (what the CPU does), every static step, model and sampling included, under HostReads (the
+    # eager steps between them, prefill and compressions: tests/test_sampler.py)
     model = tiny_model(arch, **({"sliding_window": 12} if arch == "mistral" else {}))
-    reads, steps = HostReads(), []
-
-    def watched(step):
-        def run(*args):
-            steps.append(1)
-            with reads:
-                return step(*args)
-        return run
-    capture = sampler.capture
-    monkeypatch.setattr(sampler, "capture", lambda step, cache: capture(watched(step), cache))
+    reads, capture = HostReads(), sampler.capture
+    monkeypatch.setattr(sampler, "capture", lambda step, cache: capture(reads.watch(step), cache))
     generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=1.0, top_p=0.9, seed=3, record=record,
              captured=True)
-    assert len(steps) >= 10 and reads.seen == []
+    assert reads.calls >= 10 and reads.seen == []
