@@ -104,11 +104,24 @@ def test_mismatch_stats_by_hand():
     assert stats["rho_max"] == pytest.approx(2.0, rel=1e-5)
     assert stats["rho_p05"] == pytest.approx(0.25 + 0.15 * 0.55, rel=1e-5)  # sorted .25 .8 1 2, at 0.15
     assert stats["rho_p50"] == pytest.approx(0.9, rel=1e-5)
+    assert stats["rho_p95"] == pytest.approx(1 + 0.85 * 1, rel=1e-5)   # at 2.85: 1 + 0.85 * (2 - 1)
     assert stats["kl_k1"] == pytest.approx(-(0 + LN2 + ln08 - 2 * LN2) / 4, rel=1e-5)
     assert stats["kl_k3"] == pytest.approx(((2 - 1 - LN2) + (0.8 - 1 - ln08) + (0.25 - 1 + 2 * LN2)) / 4, rel=1e-4)
     assert stats["out_of_band"] == pytest.approx(0.5)  # 2.0 and 0.25 lie outside [0.5, 1.5]
     assert stats["alpha_mean"] == pytest.approx((0.7 + 1.0 + 0.2 + 0.8) / 4, rel=1e-5)
     assert stats["alpha_p05"] == pytest.approx(0.2 + 0.15 * 0.5, rel=1e-5)  # sorted .2 .7 .8 1
+
+
+def test_mismatch_stats_closed_band_and_kl_in_float64():
+    logp, mask = torch.zeros(2, 3), torch.ones(2, 3)
+    # rho = 1 exactly on either edge of the band is inside it, as rejection_mask keeps it
+    assert mismatch_stats(logp, logp, mask, low=1.0, high=2.0)["out_of_band"] == 0
+    assert mismatch_stats(logp, logp, mask, low=0.5, high=1.0)["out_of_band"] == 0
+    # log rho = x = 2^-12 (exact in fp32) on every token: k3 = e^x - 1 - x = x^2/2 + x^3/6 + ... = 2.98e-8;
+    # computed in fp32, e^x rounds to 1 + x and k3 to 0
+    x = 2.0 ** -12
+    stats = mismatch_stats(logp + x, logp, mask)
+    assert stats["kl_k3"] == pytest.approx(x ** 2 / 2 + x ** 3 / 6, rel=1e-6) and stats["kl_k1"] == -x
 
 
 def test_rejection_mask_token_band_and_veto_by_hand():
@@ -485,6 +498,7 @@ BAD_INPUT = [
     (lambda: acceptance(torch.zeros(2, 3, 4), torch.zeros(2, 3, 5)), r"topk_logp_b has shape \(2, 3, 5\)"),
     (lambda: mismatch_stats(Z, torch.zeros(3), Z), r"logp_sparse has shape \(3,\)"),
     (lambda: mismatch_stats(Z, Z, Z, topk_dense=torch.zeros(2, 3, 4)), "both topk_dense and topk_sparse"),
+    (lambda: mismatch_stats(Z, Z, Z, low=1.5, high=0.5), "low < high .* low=1.5, high=0.5"),
 ]
 
 
