@@ -134,9 +134,11 @@ def test_rejection_mask_token_band_and_veto_by_hand():
     assert new_mask.tolist() == [[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
     assert stats == dict(vetoed=1, emptied=1, dropped_tokens=2 + 3 + 0 + 2, kept_tokens=4)
     assert mask.sum() == 11  # the input is not modified
-    # the band is closed: rho exactly on either edge stays
-    assert rejection_mask(torch.zeros(4, 4), mask, low=1.0, high=2.0)[0].equal(mask)
-    assert rejection_mask(torch.zeros(4, 4), mask, low=0.5, high=1.0)[0].equal(mask)
+    # the band is closed: rho (or the geometric mean) exactly on either edge stays; low = 0 keeps even e^-20
+    for mode, (low, high, log_rho) in itertools.product(["token", "geometric"],
+                                                        [(1.0, 2.0, 0.0), (0.5, 1.0, 0.0), (0.0, 1.0, -1000.0)]):
+        new_mask, _ = rejection_mask(torch.full((4, 4), log_rho), mask, veto=0.0, low=low, high=high, mode=mode)
+        assert new_mask.equal(mask), (mode, low, high)
 
 
 def test_rejection_mask_geometric_by_hand():
