@@ -180,11 +180,11 @@ def test_group_advantages_by_hand():
                 -0.75 / (std2 + 1e-4), -0.75 / (std2 + 1e-4), -0.75 / (std2 + 1e-4), 2.25 / (std2 + 1e-4)]
     torch.testing.assert_close(adv, torch.tensor(expected))
     assert stats == dict(groups=3, zero_std_groups=1)
-    adv, _ = group_advantages(rewards, 4, scale=False)  # Dr. GRPO
+    adv, _ = group_advantages(rewards, 4, scale=False, eps=0.0)  # Dr. GRPO: no std, so eps plays no part
     torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0, -0.75, -0.75, -0.75, 2.25]))
     # equal rewards whose float mean is inexact (0.1 + 0.1 + 0.1 != 0.3) still give exactly zero
     adv, stats = group_advantages(torch.tensor([0.1, 0.1, 0.1], dtype=torch.float64), 3)
-    assert adv.tolist() == [0, 0, 0] and stats["zero_std_groups"] == 1
+    assert adv.tolist() == [0, 0, 0] and stats["zero_std_groups"] == 1 and adv.dtype == torch.float64
 
 
 def hand_loss_inputs():
