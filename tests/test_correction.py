@@ -229,6 +229,9 @@ def test_policy_loss_by_hand():
     assert stats["weight_mean"] == pytest.approx(6 / 5)
     assert stats["ratio_mean"] == pytest.approx(1.0, rel=1e-5)
     assert (stats["tokens"], stats["responses"], stats["signal_tokens"]) == (5, 2, 5)
+    # per-token advantages [N, T]: A = 2 on response 0's third token (r = 1, w = 1) doubles its -1
+    loss, _ = policy_loss(logp, logp_old, torch.tensor([[1.0, 1, 2], [-1, -1, -1]]), mask, weights)
+    assert loss.item() == pytest.approx((-4.2 / 3 + 2.3 / 2) / 2, rel=1e-5)
     loss, _ = policy_loss(logp, logp_old, adv, mask, weights, agg="token-mean")
     assert loss.item() == pytest.approx((-3.2 + 2.3) / 5, rel=1e-5)
     # a third response, fully rejected, adds 0 and still counts: the mean is over all 3 (slime, PODS)
@@ -295,10 +298,12 @@ def test_policy_loss_on_policy_gradient_is_the_reinforce_gradient():
 
 def test_policy_loss_weights_scale_and_rejection_zeroes_token_gradients():
     logp, adv, mask, g = random_batch(1)
-    weights = torch.rand(mask.shape, generator=g) * 2
+    weights = (torch.rand(mask.shape, generator=g) * 2).requires_grad_()   # a caller forgot to detach them
     plain = grad_of(policy_loss(logp, logp.detach(), adv, mask)[0], logp)
-    weighted = grad_of(policy_loss(logp, logp.detach(), adv, mask, weights)[0], logp)
-    torch.testing.assert_close(weighted, weights * plain)
+    weighted, to_weights = torch.autograd.grad(policy_loss(logp, logp.detach(), adv, mask, weights)[0],
+                                               [logp, weights], allow_unused=True)
+    torch.testing.assert_close(weighted, weights.detach() * plain)
+    assert to_weights is None   # the loss detaches w: no gradient reaches it
     rejected = mask.clone()
     rejected[0, 1] = rejected[0, 4] = rejected[3, 0] = 0
     grad = grad_of(policy_loss(logp, logp.detach(), adv, rejected, weights)[0], logp)
