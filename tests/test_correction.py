@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import correction
 from correction import (acceptance, dense_logprobs, downsample, group_advantages, importance_weights,
                         mismatch_stats, policy_loss, rejection_mask, response_logprobs)
 from sampler import Rollouts
@@ -413,6 +414,7 @@ def test_dense_logprobs_equals_a_plain_forward_pass(tiny_llama):
     rollouts, lengths = hand_rollouts()
     logp, topk = dense_logprobs(tiny_llama, rollouts, batch_size=2, temperature=0.7, topk=True)
     assert logp.shape == (3, 6) and topk.shape == (3, 6, 5)
+    assert not logp.requires_grad and not topk.requires_grad   # pi_old: no graph kept
     with torch.no_grad():
         for i, (prompt, length) in enumerate(zip(rollouts.prompts, lengths)):
             response = rollouts.tokens[i, :length]
@@ -454,6 +456,29 @@ def test_chunked_rescoring_equals_one_pass(tiny_llama):
         grads.append(torch.cat([p.grad.flatten() for p in tiny_llama.parameters() if p.grad is not None]))
     tiny_llama.zero_grad()
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
+
+
+def test_rescoring_chunk_size_and_checkpointing(tiny_llama, monkeypatch):
+    # a hook on the output layer records the positions of each call: by default CHUNK_ELEMENTS // (N * V) positions
+    # (at least 1) a chunk; with grad and more than one chunk, each chunk runs again in the backward pass
+    rollouts, _ = hand_rollouts()                                                  # N = 3, T = 6, V = 64
+    calls = []
+    hook = tiny_llama.lm_head.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[1]))
+    try:
+        monkeypatch.setattr(correction, "CHUNK_ELEMENTS", 3 * 64 * 4)           # 4 positions of 3 rows
+        dense_logprobs(tiny_llama, rollouts, batch_size=3)
+        dense_logprobs(tiny_llama, rollouts, batch_size=1)                         # 12 positions of 1 row: all 6
+        assert calls == [4, 2] + [6] * 3
+        monkeypatch.setattr(correction, "CHUNK_ELEMENTS", 1)                      # not one position: 1 anyway
+        calls.clear()
+        response_logprobs(tiny_llama, rollouts).sum().backward()
+        assert calls == [1] * 12                                                   # 6 forward, 6 recomputed
+        calls.clear()
+        response_logprobs(tiny_llama, rollouts, chunk=6).sum().backward()
+        assert calls == [6]                                                        # one chunk: nothing recomputed
+    finally:
+        hook.remove()
+        tiny_llama.zero_grad()
 
 
 def test_dense_logprobs_matches_the_sampler_only_without_eviction(tiny_llama):
