@@ -72,6 +72,10 @@ def test_downsample_max_reward_and_random():
     assert len(set(a[:3].tolist())) == 3 and set(a[:3].tolist()) <= {0, 1, 2, 3}
     assert set(a[3:].tolist()) <= {4, 5, 6, 7}
     assert downsample(rewards, 4, 4).tolist() == list(range(8))
+    # max-reward ties go to the earliest rows (a stable sort, the same rows on every device), as Python's sort does
+    ties = torch.tensor(np.random.default_rng(0).integers(0, 2, 64), dtype=torch.float64)
+    expected = sorted(sorted(range(64), key=lambda i: -ties[i].item())[:16])
+    assert downsample(ties, 64, 16, rule="max-reward").tolist() == expected
 
 
 # ----------------------------------------------------------------------------- 2. formulas by hand
