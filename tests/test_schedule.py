@@ -2,15 +2,18 @@
 
 Each test compares with an independent computation (numpy, a hand calculation, a brute-force sum),
 so it can fail."""
+import math
+
 import numpy as np
 import pytest
 import torch
 
+import schedule as S
 from kvcache import DENSE, SparseConfig
 from reference import tiny_model
 from sampler import generate
-from schedule import (Controller, Schedule, acceptance, bin_metrics, calibrate, constant, cost, measure, piecewise,
-                      speedup, tail_by_bin, token_contexts)
+from schedule import (THRESHOLD, Controller, Schedule, acceptance, bin_metrics, calibrate, constant, cost, measure,
+                      piecewise, speedup, tail_by_bin, token_contexts)
 
 PROMPTS = [[1 + (7 * i + j) % 60 for j in range(6 + 3 * i)] for i in range(6)]   # lengths 6..21
 SPARSE = SparseConfig("snapkv", budget=6, interval=2, window=2, sink=2, kernel=3)
@@ -68,6 +71,38 @@ def test_calibrate_picks_the_smallest_passing_budget_and_its_tails_hold(model):
     assert all(t >= 0.97 for t, c in zip(tails.tolist(), counts.tolist()) if c > 0)   # re-measured
     assert set(calibrate(model, PROMPTS, threshold=0.0, **kw)[0].budgets) == {6}
     assert set(calibrate(model, PROMPTS, threshold=1.0, **kw)[0].budgets) == {None}  # dense: evicts nothing
+
+
+def test_calibrate_on_a_simulated_streaming_cache_by_hand(monkeypatch):
+    # A stand-in for `measure` [1, 16]: one response sampled at contexts 4..19 (bins of 4: bin 0 holds no token)
+    # through a cache that keeps the newest b(c) tokens at context c and never gets an evicted one back. The token
+    # at context c needs the one D(c) back: D = 4 at c = 8 (bin 2's first), 6 at c = 12 (bin 3's first), else 2.
+    # Its acceptance is exactly the threshold, 0.86, if that token is still cached (the bin holds), else 0.5.
+    D = {c: {8: 4, 12: 6}.get(c, 2) for c in range(4, 20)}
+    tried = []                                                          # the schedules calibrate measured, in order
+
+    def fake_measure(model, prompts, sparse, max_new_tokens, **sampling):
+        budget = (lambda c: sparse.budget) if sparse.schedule is None else sparse.schedule
+        if sparse.schedule is not None:
+            tried.append([None if budget(b) >= DENSE else budget(b) for b in sparse.schedule.bins])
+        kept = [all(c2 - budget(c2) <= c - D[c] for c2 in range(c - D[c] + 1, c + 1)) for c in D]
+        return torch.tensor([[THRESHOLD if k else 0.5 for k in kept]], dtype=torch.float64), torch.tensor([list(D)])
+
+    monkeypatch.setattr(S, "measure", fake_measure)
+    sparse = SparseConfig("streaming", budget=2, window=1, sink=0)
+    schedule, rows = calibrate(None, None, candidates=[8, 2, 4, 2], bin_size=4, sparse=sparse)   # any order
+    # at a constant budget b the token D back is kept iff b >= D: bin 1 holds from 2, bin 2 from 4, bin 3 from 8,
+    # bin 4 from 2 (q 0.05 of [0.5, 0.86, 0.86, 0.86] = 0.554); bin 0 has no token (nan) and holds with anything
+    assert [[round(t, 3) if t == t else "nan" for t in r["profile"]] for r in rows] == [
+        ["nan"] * 3, [0.86] * 3, [0.554, 0.86, 0.86], [0.554, 0.554, 0.86], [0.86] * 3]
+    # -> [2, 2, 4, 8, 2], made non-decreasing. Under that schedule bin 2's first token (c = 8, needs position 4)
+    # was evicted at c = 7 by bin 1's 2, bin 3's (c = 12, needs 6) at c = 11 by bin 2's 4. The earliest failing
+    # bin moves first, to its next candidate: bin 2 -> 8 (bin 3 now holds); still failing -> dense; a dense bin
+    # that fails suffers from an earlier bin's eviction: bin 1 -> 4, and every bin holds, at exactly 0.86 (>=).
+    assert tried == [[2, 2, 4, 8, 8], [2, 2, 8, 8, 8], [2, 2, None, None, None], [2, 4, None, None, None]]
+    assert schedule == piecewise([0, 4, 8, 12, 16], [2, 4, None, None, None])
+    assert [r["budget"] for r in rows] == [2, 4, None, None, None] and [r["tokens"] for r in rows] == [0, 4, 4, 4, 4]
+    assert math.isnan(rows[0]["tail"]) and [r["tail"] for r in rows[1:]] == [THRESHOLD] * 4
 
 
 def test_a_schedule_sets_the_budget_of_each_compression(model):
