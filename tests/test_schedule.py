@@ -170,6 +170,35 @@ def test_controller_for_block_topk_raises_the_failing_bin_itself():
                    page_size=16)
     c.update(torch.tensor([[1.0, 0.5, 0.5]]), torch.tensor([[10, 130, 175]]))    # 11 pages = 176 tokens: all
     assert c.budgets == (128, 128)
+    c.update(torch.tensor([[1.0, 0.5, 0.5]]), torch.tensor([[10, 130, 176]]))    # 176 tokens: still 11 pages
+    assert c.budgets == (128, 128)
+    c.update(torch.tensor([[1.0, 0.5, 0.5]]), torch.tensor([[10, 130, 177]]))    # 177: a 12th page, not attended
+    assert c.budgets == (128, 192)
+
+
+def test_controller_edges_by_hand():
+    """Each edge of the rule by hand (bins of 32, interval 1, threshold 0.75, band 0.125, step 8, up 1.5, budgets
+    in [20, 100], alpha [1, 6]: two tokens per bin): a tail equal to the threshold holds; a bin evicts once its
+    longest context reaches budget + interval exactly; the latest earlier bin that evicts is the culprit, not the
+    first; budgets are capped at `high` and floored at `low`; a tail at exactly threshold + band is not lowered."""
+    def controller(budgets):
+        c = Controller(threshold=0.75, bin_size=32, bins=3, start=24, low=20, high=100, step=8, up=1.5, band=0.125,
+                       min_tokens=2)
+        c.schedule = piecewise([0, 32, 64], budgets)
+        return c
+    alpha = lambda *tails: torch.tensor([[t for t in tails for _ in range(2)]])
+    c = controller((24, 40, 64))             # bin 1 fails, its longest context 41 = 40 + 1: it evicts, 40 -> 60;
+    c.update(alpha(1.0, 0.5, 0.75), torch.tensor([[5, 6, 40, 41, 64, 65]]))   # bin 2, at the threshold, holds
+    assert c.budgets == (24, 60, 64)
+    c = controller((20, 24, 80))             # bin 2 fails, evicts nothing (80 + 1 > 65); bins 0 (30 >= 21) and
+    c.update(alpha(1.0, 1.0, 0.5), torch.tensor([[25, 30, 40, 50, 64, 65]]))   # 1 (50 >= 25) both evict: the
+    assert c.budgets == (20, 36, 80)         # latest, bin 1, dropped what bin 2 missed last: 24 -> 36
+    c = controller((20, 24, 80))             # bin 2 fails at contexts up to 200 (past the last bin: counted in it)
+    c.update(alpha(1.0, 1.0, 0.5), torch.tensor([[25, 30, 40, 50, 90, 200]]))
+    assert c.budgets == (20, 24, 100)        # 80 * 1.5 = 120, capped at high = 100
+    c = controller((24, 40, 64))             # every bin holds: lowered by 8, bin 0 floored at low = 20; bin 1 sits
+    c.update(alpha(1.0, 0.875, 1.0), torch.tensor([[5, 6, 40, 41, 64, 65]]))   # at threshold + band: kept
+    assert c.budgets == (20, 40, 56)
 
 
 def test_bin_metrics_by_hand():
