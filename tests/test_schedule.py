@@ -12,8 +12,8 @@ import schedule as S
 from kvcache import DENSE, SparseConfig
 from reference import tiny_model
 from sampler import generate
-from schedule import (THRESHOLD, Controller, Schedule, acceptance, bin_metrics, calibrate, constant, cost, measure,
-                      piecewise, speedup, tail_by_bin, token_contexts)
+from schedule import (THRESHOLD, Controller, Schedule, acceptance, bin_metrics, bins_for, calibrate, constant, cost,
+                      measure, piecewise, speedup, tail_by_bin, token_contexts)
 
 PROMPTS = [[1 + (7 * i + j) % 60 for j in range(6 + 3 * i)] for i in range(6)]   # lengths 6..21
 SPARSE = SparseConfig("snapkv", budget=6, interval=2, window=2, sink=2, kernel=3)
@@ -218,6 +218,17 @@ def test_token_contexts_and_scaled_schedules():
     rollouts.mask[1, 2] = 0                                             # as if row 1 had ended
     assert token_contexts(rollouts).tolist() == [[3, 4, 5], [2, 3, -1]]
     assert piecewise([0, 8], [6, None]).scaled(2.5) == piecewise([0, 20], [15, None])
+    assert piecewise([0, 100], [4, 60]).scaled(0.1) == piecewise([0, 10], [1, 6])  # 0.4 tokens: kept at 1
+
+
+def test_bins_for_covers_every_context_a_response_token_is_sampled_at_and_no_more():
+    # brute force: a response token is sampled at contexts prompt .. prompt + max_new_tokens - 1; one bin per
+    # bin_size up to the last of them, as many as tail_by_bin makes of those contexts
+    for prompt in (1, 15, 16, 17, 31):
+        for new in (1, 16, 17):
+            contexts = torch.arange(prompt, prompt + new)
+            made = len(tail_by_bin(torch.ones(new), contexts, 16)[0])
+            assert bins_for(prompt, new, 16) == made == max(contexts.tolist()) // 16 + 1
 
 
 # 5. the cost model
