@@ -12,8 +12,8 @@ import schedule as S
 from kvcache import DENSE, SparseConfig
 from reference import tiny_model
 from sampler import generate
-from schedule import (THRESHOLD, Controller, Schedule, acceptance, bin_metrics, bins_for, calibrate, constant, cost,
-                      measure, piecewise, speedup, tail_by_bin, token_contexts)
+from schedule import (QWEN3, THRESHOLD, Controller, Schedule, acceptance, bin_metrics, bins_for, calibrate, constant,
+                      cost, measure, piecewise, shape, speedup, tail_by_bin, token_contexts)
 
 PROMPTS = [[1 + (7 * i + j) % 60 for j in range(6 + 3 * i)] for i in range(6)]   # lengths 6..21
 SPARSE = SparseConfig("snapkv", budget=6, interval=2, window=2, sink=2, kernel=3)
@@ -248,6 +248,22 @@ def test_cost_matches_a_hand_computation():
     b = cost(CONFIG, context=100, budget=20, batch=3, page_size=4, dense_layers=1, bytes_per=2, intensity=10)
     assert b["flops"] == 3 * (2 * 1232 + 4 * 2 * 4 * (100 + 32)) + 3 * 2 * 4 * 25
     assert b["bytes"] == 2 * (1232 + 3 * 2 * 4 * (100 + 32)) + 2 * 3 * 4 * 25
+    # 102 tokens fill 26 pages, the last one partly, all 26 scored; a budget that covers the context is dense
+    c = cost(CONFIG, context=102, budget=20, page_size=4, bytes_per=2, intensity=10)
+    assert c["flops"] == 2 * 1232 + 2 * 4 * 2 * 4 * 32 + 2 * 2 * 1 * 4 * 26
+    assert cost(CONFIG, 100, budget=100, page_size=4) == cost(CONFIG, 100, None, page_size=4)
+
+
+def test_shape_counts_the_matmul_parameters_of_qwen3_and_fills_missing_fields():
+    # keras-hub's presets give Qwen3-1.7B 1,720,574,976 parameters and Qwen3-4B 4,022,468,096 (tied embeddings: the
+    # lm head is the embedding). Less the RMSNorm weights (per layer two of hidden size and the q and k norms of
+    # head_dim, plus a final one), the rest are matmul weights. Qwen3-4B's head_dim, 128, is not hidden / heads = 80.
+    for name, total in (("Qwen3-1.7B", 1_720_574_976), ("Qwen3-4B", 4_022_468_096)):
+        c = QWEN3[name]
+        norms = c["num_hidden_layers"] * (2 * c["hidden_size"] + 2 * c["head_dim"]) + c["hidden_size"]
+        assert shape(c) == (c["num_hidden_layers"], c["num_attention_heads"], 8, 128, total - norms)
+    # no kv-head count: multi-head attention; no head_dim: hidden / heads; q, k, v, o: 4 * 8 * 2 * 4, MLP 3 * 8 * 16
+    assert shape(dict(CONFIG, num_key_value_heads=None, head_dim=None)) == (2, 2, 2, 4, 2 * (256 + 384) + 80)
 
 
 def test_speedup_of_a_full_budget_is_one_and_a_small_budget_saves():
