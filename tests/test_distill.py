@@ -47,6 +47,24 @@ def test_a_zero_adapter_changes_nothing():
     assert torch.equal(dense_on, dense_logprobs(model, adapted))
 
 
+def test_the_adapter_adds_alpha_over_rank_times_B_A_x_to_a_linear_layer():
+    # by hand on one layer, k_proj (64 -> 32): W x + (alpha / rank) B A x, alpha 16 (Sparrow's) over rank 4; A [4, 64]
+    # as PEFT initialises it (Kaiming-uniform, a = sqrt 5: uniform in +-1 / sqrt(64)), B [32, 4] zero
+    model = tiny_model("llama")
+    lora = distill.LoRA(model, rank=4)
+    layer = model.model.layers[1].self_attn.k_proj
+    A, B = lora.A["layers/1/self_attn/k_proj"], lora.B["layers/1/self_attn/k_proj"]
+    bound = 1 / math.sqrt(64)
+    assert A.shape == (4, 64) and 0.9 * bound < A.abs().max() <= bound and B.shape == (32, 4) and not B.any()
+    with torch.no_grad():
+        B.copy_(torch.randn(32, 4, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))                  # [3, 64]
+    with torch.no_grad():
+        assert torch.equal(layer(x), x @ layer.weight.T)                                 # off: the plain layer
+        with lora.on():
+            assert torch.allclose(layer(x), x @ layer.weight.T + 16 / 4 * (x @ A.T) @ B.T, atol=1e-5)
+
+
 def test_the_dense_policy_never_sees_the_adapter(tmp_path):
     model = tiny_model("qwen3")
     bare = copy.deepcopy(model)
@@ -64,6 +82,19 @@ def test_the_dense_policy_never_sees_the_adapter(tmp_path):
     again.load(tmp_path / "adapter.safetensors")
     with torch.no_grad(), lora.on(), again.on():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_an_adapter_file_brings_back_its_rank_and_weights(tmp_path):
+    model, fresh = tiny_model("llama"), tiny_model("llama")                              # the same theta twice
+    lora = distill.LoRA(model, rank=3)
+    with torch.no_grad():
+        for p in lora.B.values():
+            p.normal_(0, 0.05)
+    lora.save(tmp_path / "adapter.safetensors")
+    again = distill.LoRA.from_file(fresh, tmp_path / "adapter.safetensors")
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad(), lora.on(), again.on():
+        assert again.rank == 3 and torch.equal(fresh(ids).logits, model(ids).logits)
 
 
 @pytest.mark.parametrize("policy", list(CONFIGS))
