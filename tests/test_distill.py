@@ -110,6 +110,17 @@ def test_the_sparse_training_forward_reproduces_the_sampler(policy):
         assert (dense_logprobs(model, out) - out.logprobs).abs().max() > 1e-2
 
 
+def test_the_sparse_training_forward_reproduces_a_sliding_window_sampler():
+    # Mistral with a window of 6, narrower than what the cache keeps (8): the training mask must hide the keys at or
+    # before p - 6 exactly as the sampler's attention does
+    model = tiny_model("mistral", sliding_window=6)
+    lora = moved_adapter(model)
+    with lora.on():
+        out = generate(model, PROMPTS, CONFIGS["streaming"], max_new_tokens=20, seed=3, record=True)
+        logp = distill.sparse_logprobs(model, out)
+    assert (logp - out.logprobs).abs().max() < 1e-4
+
+
 def test_the_sparse_forward_needs_what_the_sampler_kept():
     model = tiny_model("llama")
     out = generate(model, PROMPTS, CONFIGS["snapkv"], max_new_tokens=5)
