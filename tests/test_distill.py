@@ -147,6 +147,9 @@ def test_the_distillation_loss_by_hand():
     # d k3 / d logp = 1 - rho (rho = exp(logp_old - logp)): at -0.5 -> 1 - e^-0.5, at 1.0 -> 1 - e
     assert logp.grad[0, 0].item() == pytest.approx((1 - math.exp(-0.5)) / 3, rel=1e-5)
     assert logp.grad[1, 0].item() == pytest.approx((1 - math.e) / 3, rel=1e-5)
+    # "ppo-kl" at the default lambda, 1e-3: the on-policy PPO term, -A token-mean = (-1 + 1 + 1) / 3, plus 1e-3 * KL
+    loss, stats = distill.distill_loss(logp, rollouts, logp_old, torch.tensor([1.0, -1.0]))
+    assert loss.item() == pytest.approx(1 / 3 + 1e-3 * kl, rel=1e-6) and stats["kl"] == pytest.approx(kl, rel=1e-5)
 
 
 def test_the_adapters_ppo_term_is_on_policy_whatever_the_sampler_recorded():
