@@ -2,6 +2,7 @@
 forward reproduces the sampler; the loss by hand; each optimizer moves only its own weights."""
 import copy
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -47,6 +48,24 @@ def test_a_zero_adapter_changes_nothing():
     assert torch.equal(dense_on, dense_logprobs(model, adapted))
 
 
+def test_the_adapter_adds_alpha_over_rank_times_B_A_x_to_a_linear_layer():
+    # by hand on one layer, k_proj (64 -> 32): W x + (alpha / rank) B A x, alpha 16 (Sparrow's) over rank 4; A [4, 64]
+    # as PEFT initialises it (Kaiming-uniform, a = sqrt 5: uniform in +-1 / sqrt(64)), B [32, 4] zero
+    model = tiny_model("llama")
+    lora = distill.LoRA(model, rank=4)
+    layer = model.model.layers[1].self_attn.k_proj
+    A, B = lora.A["layers/1/self_attn/k_proj"], lora.B["layers/1/self_attn/k_proj"]
+    bound = 1 / math.sqrt(64)
+    assert A.shape == (4, 64) and 0.9 * bound < A.abs().max() <= bound and B.shape == (32, 4) and not B.any()
+    with torch.no_grad():
+        B.copy_(torch.randn(32, 4, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))                  # [3, 64]
+    with torch.no_grad():
+        assert torch.equal(layer(x), x @ layer.weight.T)                                 # off: the plain layer
+        with lora.on():
+            assert torch.allclose(layer(x), x @ layer.weight.T + 16 / 4 * (x @ A.T) @ B.T, atol=1e-5)
+
+
 def test_the_dense_policy_never_sees_the_adapter(tmp_path):
     model = tiny_model("qwen3")
     bare = copy.deepcopy(model)
@@ -66,6 +85,19 @@ def test_the_dense_policy_never_sees_the_adapter(tmp_path):
         assert torch.equal(model(ids).logits, loaded(ids).logits)
 
 
+def test_an_adapter_file_brings_back_its_rank_and_weights(tmp_path):
+    model, fresh = tiny_model("llama"), tiny_model("llama")                              # the same theta twice
+    lora = distill.LoRA(model, rank=3)
+    with torch.no_grad():
+        for p in lora.B.values():
+            p.normal_(0, 0.05)
+    lora.save(tmp_path / "adapter.safetensors")
+    again = distill.LoRA.from_file(fresh, tmp_path / "adapter.safetensors")
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad(), lora.on(), again.on():
+        assert again.rank == 3 and torch.equal(fresh(ids).logits, model(ids).logits)
+
+
 @pytest.mark.parametrize("policy", list(CONFIGS))
 def test_the_sparse_training_forward_reproduces_the_sampler(policy):
     model = tiny_model("llama")
@@ -77,6 +109,17 @@ def test_the_sparse_training_forward_reproduces_the_sampler(policy):
     assert logp.requires_grad
     with torch.no_grad():                                             # and the sparsity matters: dense differs
         assert (dense_logprobs(model, out) - out.logprobs).abs().max() > 1e-2
+
+
+def test_the_sparse_training_forward_reproduces_a_sliding_window_sampler():
+    # Mistral with a window of 6, narrower than what the cache keeps (8): the training mask must hide the keys at or
+    # before p - 6 exactly as the sampler's attention does
+    model = tiny_model("mistral", sliding_window=6)
+    lora = moved_adapter(model)
+    with lora.on():
+        out = generate(model, PROMPTS, CONFIGS["streaming"], max_new_tokens=20, seed=3, record=True)
+        logp = distill.sparse_logprobs(model, out)
+    assert (logp - out.logprobs).abs().max() < 1e-4
 
 
 def test_the_sparse_forward_needs_what_the_sampler_kept():
@@ -105,6 +148,9 @@ def test_the_distillation_loss_by_hand():
     # d k3 / d logp = 1 - rho (rho = exp(logp_old - logp)): at -0.5 -> 1 - e^-0.5, at 1.0 -> 1 - e
     assert logp.grad[0, 0].item() == pytest.approx((1 - math.exp(-0.5)) / 3, rel=1e-5)
     assert logp.grad[1, 0].item() == pytest.approx((1 - math.e) / 3, rel=1e-5)
+    # "ppo-kl" at the default lambda, 1e-3: the on-policy PPO term, -A token-mean = (-1 + 1 + 1) / 3, plus 1e-3 * KL
+    loss, stats = distill.distill_loss(logp, rollouts, logp_old, torch.tensor([1.0, -1.0]))
+    assert loss.item() == pytest.approx(1 / 3 + 1e-3 * kl, rel=1e-6) and stats["kl"] == pytest.approx(kl, rel=1e-5)
 
 
 def test_the_adapters_ppo_term_is_on_policy_whatever_the_sampler_recorded():
@@ -121,6 +167,37 @@ def test_the_adapters_ppo_term_is_on_policy_whatever_the_sampler_recorded():
         ppo.backward()
         assert ppo.item() == pytest.approx((-1 + 1 + 1) / 3, rel=1e-6)   # -r A token-mean, r = 1
         assert torch.allclose(logp.grad, torch.tensor([[-1 / 3, 0.0], [1 / 3, 1 / 3]]))
+
+
+def test_one_adapter_step_over_micro_batches_is_one_step_over_the_batch():
+    # rows of 12, 5 and 9 response tokens [3, 12]. Reference: the whole batch's token-mean loss in one forward, its
+    # gradient clipped to norm 1, one SGD step (lr 1). Micro-batches of 1 and of 3 rows must take that step, report
+    # that loss and KL, freeze theta (no gradient lands on it) and leave no gradient behind on phi.
+    model = tiny_model("llama")
+    lora = moved_adapter(model)
+    with lora.on():
+        out = generate(model, PROMPTS, CONFIGS["snapkv"], max_new_tokens=12, seed=5, record=True)
+    out.mask = out.mask.clone()
+    out.mask[1, 5:], out.mask[2, 9:] = 0, 0
+    logp_old, advantages = dense_logprobs(model, out), torch.tensor([4.0, -2.0, 1.0])
+    start = {k: v.detach().clone() for k, v in lora.state_dict().items()}
+    with lora.on():
+        loss, stats = distill.distill_loss(distill.sparse_logprobs(model, out), out, logp_old, advantages)
+    loss.backward()
+    assert torch.nn.utils.clip_grad_norm_(lora.parameters(), 1.0) > 1                  # the clip acts
+    expected = {k: start[k] - p.grad for k, p in lora.named_parameters()}
+    model.zero_grad(set_to_none=True)                                   # the reference's backward reached theta
+    for micro in (1, 3):
+        lora.load_state_dict(start)
+        lora.zero_grad(set_to_none=True)
+        args = SimpleNamespace(micro_batch=micro, dtype="float32", temperature=1.0, distill="ppo-kl",
+                               distill_lambda=distill.LAMBDA)
+        metrics = distill.step(model, lora, torch.optim.SGD(lora.parameters(), lr=1.0), out, logp_old, advantages,
+                               args)
+        assert metrics["distill_loss"] == pytest.approx(loss.item(), rel=1e-5)
+        assert metrics["distill_kl"] == pytest.approx(stats["kl"], rel=1e-5)
+        assert all(torch.allclose(p, expected[k], atol=1e-6) for k, p in lora.named_parameters())
+        assert all(p.grad is None for p in model.parameters()) and all(p.grad is None for p in lora.parameters())
 
 
 SMALL = ["--task", "sort", "--digits", "4", "8", "--warmup-steps", "80", "--max-new-tokens", "10", "--eval-size", "32",

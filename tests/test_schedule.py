@@ -2,15 +2,18 @@
 
 Each test compares with an independent computation (numpy, a hand calculation, a brute-force sum),
 so it can fail."""
+import math
+
 import numpy as np
 import pytest
 import torch
 
+import schedule as S
 from kvcache import DENSE, SparseConfig
 from reference import tiny_model
 from sampler import generate
-from schedule import (Controller, Schedule, acceptance, bin_metrics, calibrate, constant, cost, measure, piecewise,
-                      speedup, tail_by_bin, token_contexts)
+from schedule import (QWEN3, THRESHOLD, Controller, Schedule, acceptance, bin_metrics, bins_for, calibrate, constant,
+                      cost, measure, piecewise, shape, speedup, tail_by_bin, token_contexts)
 
 PROMPTS = [[1 + (7 * i + j) % 60 for j in range(6 + 3 * i)] for i in range(6)]   # lengths 6..21
 SPARSE = SparseConfig("snapkv", budget=6, interval=2, window=2, sink=2, kernel=3)
@@ -68,6 +71,38 @@ def test_calibrate_picks_the_smallest_passing_budget_and_its_tails_hold(model):
     assert all(t >= 0.97 for t, c in zip(tails.tolist(), counts.tolist()) if c > 0)   # re-measured
     assert set(calibrate(model, PROMPTS, threshold=0.0, **kw)[0].budgets) == {6}
     assert set(calibrate(model, PROMPTS, threshold=1.0, **kw)[0].budgets) == {None}  # dense: evicts nothing
+
+
+def test_calibrate_on_a_simulated_streaming_cache_by_hand(monkeypatch):
+    # A stand-in for `measure` [1, 16]: one response sampled at contexts 4..19 (bins of 4: bin 0 holds no token)
+    # through a cache that keeps the newest b(c) tokens at context c and never gets an evicted one back. The token
+    # at context c needs the one D(c) back: D = 4 at c = 8 (bin 2's first), 6 at c = 12 (bin 3's first), else 2.
+    # Its acceptance is exactly the threshold, 0.86, if that token is still cached (the bin holds), else 0.5.
+    D = {c: {8: 4, 12: 6}.get(c, 2) for c in range(4, 20)}
+    tried = []                                                          # the schedules calibrate measured, in order
+
+    def fake_measure(model, prompts, sparse, max_new_tokens, **sampling):
+        budget = (lambda c: sparse.budget) if sparse.schedule is None else sparse.schedule
+        if sparse.schedule is not None:
+            tried.append([None if budget(b) >= DENSE else budget(b) for b in sparse.schedule.bins])
+        kept = [all(c2 - budget(c2) <= c - D[c] for c2 in range(c - D[c] + 1, c + 1)) for c in D]
+        return torch.tensor([[THRESHOLD if k else 0.5 for k in kept]], dtype=torch.float64), torch.tensor([list(D)])
+
+    monkeypatch.setattr(S, "measure", fake_measure)
+    sparse = SparseConfig("streaming", budget=2, window=1, sink=0)
+    schedule, rows = calibrate(None, None, candidates=[8, 2, 4, 2], bin_size=4, sparse=sparse)   # any order
+    # at a constant budget b the token D back is kept iff b >= D: bin 1 holds from 2, bin 2 from 4, bin 3 from 8,
+    # bin 4 from 2 (q 0.05 of [0.5, 0.86, 0.86, 0.86] = 0.554); bin 0 has no token (nan) and holds with anything
+    assert [[round(t, 3) if t == t else "nan" for t in r["profile"]] for r in rows] == [
+        ["nan"] * 3, [0.86] * 3, [0.554, 0.86, 0.86], [0.554, 0.554, 0.86], [0.86] * 3]
+    # -> [2, 2, 4, 8, 2], made non-decreasing. Under that schedule bin 2's first token (c = 8, needs position 4)
+    # was evicted at c = 7 by bin 1's 2, bin 3's (c = 12, needs 6) at c = 11 by bin 2's 4. The earliest failing
+    # bin moves first, to its next candidate: bin 2 -> 8 (bin 3 now holds); still failing -> dense; a dense bin
+    # that fails suffers from an earlier bin's eviction: bin 1 -> 4, and every bin holds, at exactly 0.86 (>=).
+    assert tried == [[2, 2, 4, 8, 8], [2, 2, 8, 8, 8], [2, 2, None, None, None], [2, 4, None, None, None]]
+    assert schedule == piecewise([0, 4, 8, 12, 16], [2, 4, None, None, None])
+    assert [r["budget"] for r in rows] == [2, 4, None, None, None] and [r["tokens"] for r in rows] == [0, 4, 4, 4, 4]
+    assert math.isnan(rows[0]["tail"]) and [r["tail"] for r in rows[1:]] == [THRESHOLD] * 4
 
 
 def test_a_schedule_sets_the_budget_of_each_compression(model):
@@ -135,6 +170,35 @@ def test_controller_for_block_topk_raises_the_failing_bin_itself():
                    page_size=16)
     c.update(torch.tensor([[1.0, 0.5, 0.5]]), torch.tensor([[10, 130, 175]]))    # 11 pages = 176 tokens: all
     assert c.budgets == (128, 128)
+    c.update(torch.tensor([[1.0, 0.5, 0.5]]), torch.tensor([[10, 130, 176]]))    # 176 tokens: still 11 pages
+    assert c.budgets == (128, 128)
+    c.update(torch.tensor([[1.0, 0.5, 0.5]]), torch.tensor([[10, 130, 177]]))    # 177: a 12th page, not attended
+    assert c.budgets == (128, 192)
+
+
+def test_controller_edges_by_hand():
+    """Each edge of the rule by hand (bins of 32, interval 1, threshold 0.75, band 0.125, step 8, up 1.5, budgets
+    in [20, 100], alpha [1, 6]: two tokens per bin): a tail equal to the threshold holds; a bin evicts once its
+    longest context reaches budget + interval exactly; the latest earlier bin that evicts is the culprit, not the
+    first; budgets are capped at `high` and floored at `low`; a tail at exactly threshold + band is not lowered."""
+    def controller(budgets):
+        c = Controller(threshold=0.75, bin_size=32, bins=3, start=24, low=20, high=100, step=8, up=1.5, band=0.125,
+                       min_tokens=2)
+        c.schedule = piecewise([0, 32, 64], budgets)
+        return c
+    alpha = lambda *tails: torch.tensor([[t for t in tails for _ in range(2)]])
+    c = controller((24, 40, 64))             # bin 1 fails, its longest context 41 = 40 + 1: it evicts, 40 -> 60;
+    c.update(alpha(1.0, 0.5, 0.75), torch.tensor([[5, 6, 40, 41, 64, 65]]))   # bin 2, at the threshold, holds
+    assert c.budgets == (24, 60, 64)
+    c = controller((20, 24, 80))             # bin 2 fails, evicts nothing (80 + 1 > 65); bins 0 (30 >= 21) and
+    c.update(alpha(1.0, 1.0, 0.5), torch.tensor([[25, 30, 40, 50, 64, 65]]))   # 1 (50 >= 25) both evict: the
+    assert c.budgets == (20, 36, 80)         # latest, bin 1, dropped what bin 2 missed last: 24 -> 36
+    c = controller((20, 24, 80))             # bin 2 fails at contexts up to 200 (past the last bin: counted in it)
+    c.update(alpha(1.0, 1.0, 0.5), torch.tensor([[25, 30, 40, 50, 90, 200]]))
+    assert c.budgets == (20, 24, 100)        # 80 * 1.5 = 120, capped at high = 100
+    c = controller((24, 40, 64))             # every bin holds: lowered by 8, bin 0 floored at low = 20; bin 1 sits
+    c.update(alpha(1.0, 0.875, 1.0), torch.tensor([[5, 6, 40, 41, 64, 65]]))   # at threshold + band: kept
+    assert c.budgets == (20, 40, 56)
 
 
 def test_bin_metrics_by_hand():
@@ -154,6 +218,17 @@ def test_token_contexts_and_scaled_schedules():
     rollouts.mask[1, 2] = 0                                             # as if row 1 had ended
     assert token_contexts(rollouts).tolist() == [[3, 4, 5], [2, 3, -1]]
     assert piecewise([0, 8], [6, None]).scaled(2.5) == piecewise([0, 20], [15, None])
+    assert piecewise([0, 100], [4, 60]).scaled(0.1) == piecewise([0, 10], [1, 6])  # 0.4 tokens: kept at 1
+
+
+def test_bins_for_covers_every_context_a_response_token_is_sampled_at_and_no_more():
+    # brute force: a response token is sampled at contexts prompt .. prompt + max_new_tokens - 1; one bin per
+    # bin_size up to the last of them, as many as tail_by_bin makes of those contexts
+    for prompt in (1, 15, 16, 17, 31):
+        for new in (1, 16, 17):
+            contexts = torch.arange(prompt, prompt + new)
+            made = len(tail_by_bin(torch.ones(new), contexts, 16)[0])
+            assert bins_for(prompt, new, 16) == made == max(contexts.tolist()) // 16 + 1
 
 
 # 5. the cost model
@@ -173,6 +248,22 @@ def test_cost_matches_a_hand_computation():
     b = cost(CONFIG, context=100, budget=20, batch=3, page_size=4, dense_layers=1, bytes_per=2, intensity=10)
     assert b["flops"] == 3 * (2 * 1232 + 4 * 2 * 4 * (100 + 32)) + 3 * 2 * 4 * 25
     assert b["bytes"] == 2 * (1232 + 3 * 2 * 4 * (100 + 32)) + 2 * 3 * 4 * 25
+    # 102 tokens fill 26 pages, the last one partly, all 26 scored; a budget that covers the context is dense
+    c = cost(CONFIG, context=102, budget=20, page_size=4, bytes_per=2, intensity=10)
+    assert c["flops"] == 2 * 1232 + 2 * 4 * 2 * 4 * 32 + 2 * 2 * 1 * 4 * 26
+    assert cost(CONFIG, 100, budget=100, page_size=4) == cost(CONFIG, 100, None, page_size=4)
+
+
+def test_shape_counts_the_matmul_parameters_of_qwen3_and_fills_missing_fields():
+    # keras-hub's presets give Qwen3-1.7B 1,720,574,976 parameters and Qwen3-4B 4,022,468,096 (tied embeddings: the
+    # lm head is the embedding). Less the RMSNorm weights (per layer two of hidden size and the q and k norms of
+    # head_dim, plus a final one), the rest are matmul weights. Qwen3-4B's head_dim, 128, is not hidden / heads = 80.
+    for name, total in (("Qwen3-1.7B", 1_720_574_976), ("Qwen3-4B", 4_022_468_096)):
+        c = QWEN3[name]
+        norms = c["num_hidden_layers"] * (2 * c["hidden_size"] + 2 * c["head_dim"]) + c["hidden_size"]
+        assert shape(c) == (c["num_hidden_layers"], c["num_attention_heads"], 8, 128, total - norms)
+    # no kv-head count: multi-head attention; no head_dim: hidden / heads; q, k, v, o: 4 * 8 * 2 * 4, MLP 3 * 8 * 16
+    assert shape(dict(CONFIG, num_key_value_heads=None, head_dim=None)) == (2, 2, 2, 4, 2 * (256 + 384) + 80)
 
 
 def test_speedup_of_a_full_budget_is_one_and_a_small_budget_saves():
