@@ -122,6 +122,21 @@ def tail_by_bin(alpha, positions, bin_size, q=0.05):
     return tails, counts
 
 
+def longest_by_bin(positions, bin_size, n):
+    """The longest context of each of `n` length bins among `positions` (any shape, -1: ignored; past the
+    last bin: in it) -> [n] long, -1 where a bin has none."""
+    real = positions[positions >= 0]
+    which = (real // bin_size).clamp(max=n - 1)
+    return torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, which, real, "amax")
+
+
+def latest_evicting(i, evicts):
+    """The bin to raise when bin i's tail fails: i itself if it evicts (`evicts(j)`: bin j's contexts reach its
+    budget + interval, where the cache compresses); if not, what i misses was dropped earlier, for good, so the
+    latest earlier bin that evicts; None if no bin up to i evicts (eviction is not the cause)."""
+    return max([j for j in range(i + 1) if evicts(j)], default=None)
+
+
 def measure(model, prompts, sparse, max_new_tokens, temperature=1.0, eos_token_id=None, pad_token_id=0, seed=0,
             adapter=None):
     """Sample with `sparse`, re-score densely -> (alpha [N, T], positions [N, T], -1 off the responses).
@@ -177,8 +192,10 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
     Generates once per candidate budget and measures the tail per bin against dense re-scoring;
     a bin no candidate satisfies falls back to dense (None). Budgets are then made non-decreasing
     in the context (eviction is irreversible: a long context never gets back what a short one
-    dropped). A schedule evicts earlier than a constant budget does, so the result is re-measured
-    and any bin still below the threshold moves to its next candidate, until every bin passes.
+    dropped). A schedule evicts earlier than a constant budget does, so the result is re-measured, and
+    the earliest bin still below the threshold moves a budget to its next candidate: its own, or that of
+    the latest earlier bin that evicts (`latest_evicting`, the controller's rule), until every bin passes
+    or no bin that evicts is left to blame.
     Returns (Schedule, rows): one row per bin {bins, budget, tail, tokens} of the final measurement,
     plus `profile`: the tail the bin had at each candidate budget held constant (nan: no token).
     `sampling`: temperature, eos_token_id, pad_token_id, seed (as `sampler.generate`), adapter (`measure`).
@@ -199,9 +216,9 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
         schedule = piecewise([i * bin_size for i in range(n)], [options[k] for k in choice])
         alpha, positions = measure(model, prompts, replace(sparse, schedule=schedule), max_new_tokens, **sampling)
         measured, counts = tail_by_bin(alpha, positions, bin_size, q)
-        # a failing bin that is already dense suffers from what an earlier bin evicted: raise that one
-        movable = [max([j for j in range(i + 1) if options[choice[j]] is not None], default=None)
-                   for i in range(min(n, len(measured))) if measured[i] < threshold]
+        longest = longest_by_bin(positions, bin_size, len(measured))
+        evicts = lambda j: options[choice[j]] is not None and options[choice[j]] + sparse.interval <= longest[j]
+        movable = [latest_evicting(i, evicts) for i in range(min(n, len(measured))) if measured[i] < threshold]
         movable = [j for j in movable if j is not None]
         if not movable:
             break
@@ -267,8 +284,7 @@ class Controller:
         real = positions >= 0
         which = (positions[real] // self.bin_size).clamp(max=len(self.budgets) - 1)   # past the end: the last bin
         tails, counts = tail_by_bin(alpha[real], which * self.bin_size, self.bin_size, self.q)
-        longest = torch.full((len(tails),), -1, dtype=torch.long).scatter_reduce(0, which, positions[real], "amax")
-        return tails, counts, longest
+        return tails, counts, longest_by_bin(positions, self.bin_size, len(tails))
 
     def update(self, alpha, positions):
         """Move the budgets toward the threshold from one batch's alpha, positions [N, T]; -> the new Schedule."""
@@ -279,8 +295,7 @@ class Controller:
             pages = lambda j: (int(longest[j]) - 1) // self.page_size + 1
             culprit = lambda i: i if budgets[i] // self.page_size + 3 < pages(i) else None
         else:                                                         # eviction: the latest bin that dropped
-            evicts = lambda j: j in seen and budgets[j] + self.interval <= longest[j]
-            culprit = lambda i: i if evicts(i) else max([j for j in range(i) if evicts(j)], default=None)
+            culprit = lambda i: latest_evicting(i, lambda j: j in seen and budgets[j] + self.interval <= longest[j])
         for j in {culprit(i) for i in failing} - {None}:
             budgets[j] = min(self.high, int(budgets[j] * self.up + 0.5))
         for i in seen:
@@ -415,6 +430,10 @@ def main(argv=None):
         for r in rows:
             print(f"| {r['bins'][0]}-{r['bins'][1] - 1} | " + " | ".join(map(cell, r["profile"])) +
                   f" | {r['budget'] or 'dense'} | {cell(r['tail']) if r['tokens'] else '-'} | {r['tokens']} |")
+        below = [f"{r['bins'][0]}-{r['bins'][1] - 1} ({r['tail']:.2f})" for r in rows if r["tail"] < args.threshold]
+        if below:   # calibrate stopped: no bin up to these evicts, so no budget can lift them
+            print(f"below {args.threshold} with no evicting bin to raise (the mismatch is not eviction's): "
+                  + ", ".join(below))
         holds = [c for k, c in enumerate(candidates) if all(not r["profile"][k] < args.threshold for r in rows)]
         print(f"the smallest constant budget holding {args.threshold} in every bin: {holds[0] if holds else 'none'}")
         schedule.save(args.out)

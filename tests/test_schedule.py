@@ -89,7 +89,7 @@ def test_calibrate_on_a_simulated_streaming_cache_by_hand(monkeypatch):
         return torch.tensor([[THRESHOLD if k else 0.5 for k in kept]], dtype=torch.float64), torch.tensor([list(D)])
 
     monkeypatch.setattr(S, "measure", fake_measure)
-    sparse = SparseConfig("streaming", budget=2, window=1, sink=0)
+    sparse = SparseConfig("streaming", budget=2, interval=1, window=1, sink=0)   # interval 1: never above budget
     schedule, rows = calibrate(None, None, candidates=[8, 2, 4, 2], bin_size=4, sparse=sparse)   # any order
     # at a constant budget b the token D back is kept iff b >= D: bin 1 holds from 2, bin 2 from 4, bin 3 from 8,
     # bin 4 from 2 (q 0.05 of [0.5, 0.86, 0.86, 0.86] = 0.554); bin 0 has no token (nan) and holds with anything
@@ -103,6 +103,12 @@ def test_calibrate_on_a_simulated_streaming_cache_by_hand(monkeypatch):
     assert schedule == piecewise([0, 4, 8, 12, 16], [2, 4, None, None, None])
     assert [r["budget"] for r in rows] == [2, 4, None, None, None] and [r["tokens"] for r in rows] == [0, 4, 4, 4, 4]
     assert math.isnan(rows[0]["tail"]) and [r["tail"] for r in rows[1:]] == [THRESHOLD] * 4
+    # With a candidate of 16, bin 3 holds at 16 -> [2, 2, 4, 16, 16]; bin 2 fails, evicts at 4 (4 + 1 <= 11), -> 16;
+    # it still fails, but at 16 its contexts 8-11 never compress: raising it cannot help, so bin 1 moves, to 4
+    tried.clear()
+    schedule, _ = calibrate(None, None, candidates=[2, 4, 16], bin_size=4, sparse=sparse)
+    assert tried == [[2, 2, 4, 16, 16], [2, 2, 16, 16, 16], [2, 4, 16, 16, 16]]
+    assert schedule == piecewise([0, 4, 8, 12, 16], [2, 4, 16, 16, 16])
 
 
 def test_a_schedule_sets_the_budget_of_each_compression(model):
