@@ -6,7 +6,7 @@ import torch
 import sampler
 from kvcache import SparseConfig
 from reference import HostReads, full_forward_logprobs, hf_greedy, masked_dense_logprobs, tiny_model
-from sampler import generate
+from sampler import generate, sample_token
 
 PROMPTS = [[5, 9, 3, 7, 1, 12, 33, 8, 2], [4, 17, 6], [21, 22, 23, 24, 25, 26]]
 
@@ -82,6 +82,20 @@ def test_sampling_is_reproducible_per_seed_and_top_p_narrows_it():
     assert torch.equal(run(1), run(1)) and not torch.equal(run(1), run(2))
     greedy = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=16, temperature=0).tokens
     assert torch.equal(run(1, top_p=1e-6), greedy)                   # the nucleus is the argmax alone
+
+
+@pytest.mark.parametrize("top_p, nucleus", [(0.5, [1]), (0.6, [1, 3]), (0.75, [1, 3]), (0.76, [0, 1, 3]),
+                                            (0.875, [0, 1, 3]), (1.0, [0, 1, 2, 3, 4])])
+def test_top_p_keeps_the_smallest_set_of_likeliest_tokens_whose_mass_reaches_it(top_p, nucleus):
+    # probabilities exact in binary, [1/8, 1/2, 1/16, 1/4, 1/16]: the nucleus by hand (1/2 + 1/4 reaches 0.75
+    # exactly, so 0.75 keeps two tokens); 400 draws [400, 5] equal torch.multinomial's from the nucleus alone
+    probs = torch.tensor([[0.125, 0.5, 0.0625, 0.25, 0.0625]]).expand(400, 5)
+    inside = torch.zeros(5)
+    inside[nucleus] = 1.0
+    ours, theirs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    expected = torch.multinomial(probs * inside, 1, generator=theirs)[:, 0]
+    drawn = sample_token(probs.log(), 1.0, top_p, torch.empty_like(probs).exponential_(generator=ours))
+    assert torch.equal(drawn, expected) and set(drawn.tolist()) == set(nucleus)
 
 
 def test_recorded_topk_is_the_sampler_distribution():
