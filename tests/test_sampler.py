@@ -51,6 +51,35 @@ def test_eviction_equals_masking(policy, interval):
     assert (out.logprobs - dense).abs().max() > 1e-2
 
 
+def test_every_row_ends_at_its_eos_and_the_rollout_at_the_last_one(monkeypatch):
+    # a token all three rows emit (greedy: first at steps 2, 21 and 1) is the EOS. Hugging Face stops when every
+    # row has ended: tokens [N, T] with T = the last EOS + 1; mask 1 up to and including each row's EOS;
+    # new_tokens counts those ones; kept [T, N, H_kv, S] per layer, a full cache's step t (0: the prefill)
+    # attending to positions 0 .. len(prompt) + t - 1 of its row, once each, -1 elsewhere; and the loop stops
+    # within DONE_EVERY steps of the last EOS (not at max_new_tokens), the cache counting the steps it ran
+    model = tiny_model("llama")
+    greedy = hf_greedy(model, PROMPTS, 24)
+    eos = next(t for t in range(64) if all((row == t).any() for row in greedy))
+    ends = [(row == eos).nonzero()[0].item() for row in greedy]
+    T, steps, decode = max(ends) + 1, [], sampler.decode
+    monkeypatch.setattr(sampler, "decode", lambda *args, **kwargs: steps.append(1) or decode(*args, **kwargs))
+    out = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=40, temperature=0, eos_token_id=eos,
+                   record=True)
+    assert len(set(ends)) == 3 and max(ends) + sampler.DONE_EVERY < 40 - 1
+    assert torch.equal(out.tokens, hf_greedy(model, PROMPTS, 40, eos_token_id=eos)) and out.tokens.shape[1] == T
+    assert out.mask.tolist() == [[1.0] * (end + 1) + [0.0] * (T - end - 1) for end in ends]
+    assert out.stats["new_tokens"] == sum(end + 1 for end in ends)
+    assert max(ends) <= len(steps) < max(ends) + sampler.DONE_EVERY
+    assert out.stats["dense_kv_tokens"] == max(map(len, PROMPTS)) + len(steps)
+    for layer in out.kept:
+        assert layer.shape[:2] == (T, 3)
+        for t in range(T):
+            for row, prompt in enumerate(PROMPTS):
+                for head in layer[t, row]:
+                    assert sorted(head[head >= 0].tolist()) == list(range(len(prompt) + t))
+                    assert (head[head < 0] == -1).all()
+
+
 def test_eviction_equals_masking_qwen3_sliding_mistral():
     for arch, overrides in [("qwen3", {}), ("mistral", {"sliding_window": 12})]:
         model = tiny_model(arch, **overrides)
