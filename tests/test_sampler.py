@@ -137,6 +137,15 @@ def test_recorded_topk_is_the_sampler_distribution():
     assert torch.allclose(out.logprobs[0], dense, atol=1e-4)
 
 
+def test_the_random_policy_evicts_as_the_seed_says():
+    # greedy decoding draws no noise: what differs between seeds is only the random policy's choice of evictions
+    model = tiny_model("llama")
+    kept = lambda seed: generate(model, PROMPTS, SparseConfig("random", budget=8, interval=2, window=2),
+                                 max_new_tokens=20, temperature=0, seed=seed, record=True).kept
+    assert all(torch.equal(a, b) for a, b in zip(kept(1), kept(1)))
+    assert not all(torch.equal(a, b) for a, b in zip(kept(1), kept(2)))
+
+
 def test_bfloat16_runs_close_to_float32():
     model = tiny_model("llama")
     fp32 = generate(model, PROMPTS, SparseConfig("snapkv", budget=8, interval=2, window=2), max_new_tokens=8,
