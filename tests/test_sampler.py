@@ -161,6 +161,9 @@ def test_bfloat16_runs_close_to_float32():
     ([], {}, "prompts must be a non-empty list"),
     ([[1, 2], []], {}, "prompt 1 is empty"),
     ([[1, 99]], {}, "token ids outside \\[0, 64\\)"),
+    ([[1, 64]], {}, "token ids outside \\[0, 64\\): min 1, max 64"),      # the vocabulary's first id past its end
+    ([[0, -1]], {}, "token ids outside \\[0, 64\\): min -1, max 0"),
+    ([[1, 2]], dict(logprobs_topk=0), "logprobs_topk must be a positive integer, got 0"),
     ([[1, 2]], dict(max_new_tokens=0), "max_new_tokens must be a positive integer, got 0"),
     ([[1, 2]], dict(temperature=-0.5), "temperature must be >= 0"),
     ([[1, 2]], dict(top_p=0.0), "top_p must lie in \\(0, 1\\], got 0.0"),
@@ -173,6 +176,14 @@ def test_bad_input_is_refused_before_any_forward_pass(prompts, kwargs, message):
     with pytest.raises(ValueError, match=message):
         generate(model, prompts, SparseConfig("full"), **kwargs)
     assert calls == []
+
+
+def test_the_first_and_last_token_ids_are_accepted():
+    # 0 and vocab_size - 1 are prompt tokens like any other (the refusals above start just outside them)
+    model = tiny_model("llama")
+    prompts = [[0, 63, 5], [63, 0]]
+    out = generate(model, prompts, SparseConfig("full"), max_new_tokens=4, temperature=0)
+    assert torch.equal(out.tokens, hf_greedy(model, prompts, 4))
 
 
 @pytest.mark.parametrize("sparse", [SparseConfig("full"), SparseConfig("h2o", budget=8, interval=3, window=2),
