@@ -35,8 +35,9 @@ def step_kinds(monkeypatch, spans=None):
 
 
 def kept_sets(rollouts):
-    """Per layer, step, row and KV head: the set of positions attended (-1 slots dropped)."""
-    return [[[[set(h[h >= 0].tolist()) for h in row] for row in step] for step in layer] for layer in rollouts.kept]
+    """Per layer, step, row and KV head: the positions attended, sorted (-1 slots dropped; a position that
+    shows twice counts twice, as it does in `attended_tokens`)."""
+    return [[[[sorted(h[h >= 0].tolist()) for h in row] for row in step] for step in layer] for layer in rollouts.kept]
 
 
 def test_sample_token_draws_what_torch_multinomial_draws():
