@@ -80,6 +80,20 @@ def test_static_path_equals_the_eager_path(monkeypatch, sparse, temperature, top
     assert len(set(spans)) > 1                                 # the test crossed from one span to the next
 
 
+def test_h2o_static_steps_accumulate_what_eager_steps_accumulate(monkeypatch):
+    # H2O's score, the attention each held key has received (the mean over its KV head's group of query heads),
+    # is added to at every step: after 30 steps, static ones between compressions, the static cache holds the
+    # eager cache's positions [N, H_kv, S] with the eager cache's accumulated attention, to fp32 rounding
+    model = tiny_model("llama")
+    monkeypatch.setattr("static.SPAN", 3)
+    run = lambda captured: generate(model, PROMPTS, SparseConfig("h2o", budget=8, interval=3, window=2),
+                                    max_new_tokens=30, temperature=0, record=True, captured=captured).stats["cache"]
+    eager, static = run(False), run(True)
+    for ours, theirs in zip(static.layers, eager.layers):
+        assert torch.equal(ours.pos, theirs.pos) and theirs.acc.sum() > 1.0
+        assert (ours.acc - theirs.acc).abs().max() < 1e-5
+
+
 def test_a_span_reads_the_held_slots_rounded_up(monkeypatch):
     # a dense buffer of 9 + 30 = 39 slots, SPAN 10: a step holding s slots after its write reads
     # ceil(s / 10) * 10 of them (39 at most), never fewer than it holds
