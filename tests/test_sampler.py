@@ -6,7 +6,7 @@ import torch
 import sampler
 from kvcache import SparseConfig
 from reference import HostReads, full_forward_logprobs, hf_greedy, masked_dense_logprobs, tiny_model
-from sampler import generate
+from sampler import generate, sample_token
 
 PROMPTS = [[5, 9, 3, 7, 1, 12, 33, 8, 2], [4, 17, 6], [21, 22, 23, 24, 25, 26]]
 
@@ -51,6 +51,35 @@ def test_eviction_equals_masking(policy, interval):
     assert (out.logprobs - dense).abs().max() > 1e-2
 
 
+def test_every_row_ends_at_its_eos_and_the_rollout_at_the_last_one(monkeypatch):
+    # a token all three rows emit (greedy: first at steps 2, 21 and 1) is the EOS. Hugging Face stops when every
+    # row has ended: tokens [N, T] with T = the last EOS + 1; mask 1 up to and including each row's EOS;
+    # new_tokens counts those ones; kept [T, N, H_kv, S] per layer, a full cache's step t (0: the prefill)
+    # attending to positions 0 .. len(prompt) + t - 1 of its row, once each, -1 elsewhere; and the loop stops
+    # within DONE_EVERY steps of the last EOS (not at max_new_tokens), the cache counting the steps it ran
+    model = tiny_model("llama")
+    greedy = hf_greedy(model, PROMPTS, 24)
+    eos = next(t for t in range(64) if all((row == t).any() for row in greedy))
+    ends = [(row == eos).nonzero()[0].item() for row in greedy]
+    T, steps, decode = max(ends) + 1, [], sampler.decode
+    monkeypatch.setattr(sampler, "decode", lambda *args, **kwargs: steps.append(1) or decode(*args, **kwargs))
+    out = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=40, temperature=0, eos_token_id=eos,
+                   record=True)
+    assert len(set(ends)) == 3 and max(ends) + sampler.DONE_EVERY < 40 - 1
+    assert torch.equal(out.tokens, hf_greedy(model, PROMPTS, 40, eos_token_id=eos)) and out.tokens.shape[1] == T
+    assert out.mask.tolist() == [[1.0] * (end + 1) + [0.0] * (T - end - 1) for end in ends]
+    assert out.stats["new_tokens"] == sum(end + 1 for end in ends)
+    assert max(ends) <= len(steps) < max(ends) + sampler.DONE_EVERY
+    assert out.stats["dense_kv_tokens"] == max(map(len, PROMPTS)) + len(steps)
+    for layer in out.kept:
+        assert layer.shape[:2] == (T, 3)
+        for t in range(T):
+            for row, prompt in enumerate(PROMPTS):
+                for head in layer[t, row]:
+                    assert sorted(head[head >= 0].tolist()) == list(range(len(prompt) + t))
+                    assert (head[head < 0] == -1).all()
+
+
 def test_eviction_equals_masking_qwen3_sliding_mistral():
     for arch, overrides in [("qwen3", {}), ("mistral", {"sliding_window": 12})]:
         model = tiny_model(arch, **overrides)
@@ -84,6 +113,20 @@ def test_sampling_is_reproducible_per_seed_and_top_p_narrows_it():
     assert torch.equal(run(1, top_p=1e-6), greedy)                   # the nucleus is the argmax alone
 
 
+@pytest.mark.parametrize("top_p, nucleus", [(0.5, [1]), (0.6, [1, 3]), (0.75, [1, 3]), (0.76, [0, 1, 3]),
+                                            (0.875, [0, 1, 3]), (1.0, [0, 1, 2, 3, 4])])
+def test_top_p_keeps_the_smallest_set_of_likeliest_tokens_whose_mass_reaches_it(top_p, nucleus):
+    # probabilities exact in binary, [1/8, 1/2, 1/16, 1/4, 1/16]: the nucleus by hand (1/2 + 1/4 reaches 0.75
+    # exactly, so 0.75 keeps two tokens); 400 draws [400, 5] equal torch.multinomial's from the nucleus alone
+    probs = torch.tensor([[0.125, 0.5, 0.0625, 0.25, 0.0625]]).expand(400, 5)
+    inside = torch.zeros(5)
+    inside[nucleus] = 1.0
+    ours, theirs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    expected = torch.multinomial(probs * inside, 1, generator=theirs)[:, 0]
+    drawn = sample_token(probs.log(), 1.0, top_p, torch.empty_like(probs).exponential_(generator=ours))
+    assert torch.equal(drawn, expected) and set(drawn.tolist()) == set(nucleus)
+
+
 def test_recorded_topk_is_the_sampler_distribution():
     model = tiny_model("llama")
     out = generate(model, PROMPTS[:1], SparseConfig("full"), max_new_tokens=6, temperature=0.7, logprobs_topk=64)
@@ -92,6 +135,15 @@ def test_recorded_topk_is_the_sampler_distribution():
     assert torch.allclose(chosen[..., 0], out.logprobs)
     dense = full_forward_logprobs(model, PROMPTS[0], out.tokens[0].tolist(), temperature=0.7)
     assert torch.allclose(out.logprobs[0], dense, atol=1e-4)
+
+
+def test_the_random_policy_evicts_as_the_seed_says():
+    # greedy decoding draws no noise: what differs between seeds is only the random policy's choice of evictions
+    model = tiny_model("llama")
+    kept = lambda seed: generate(model, PROMPTS, SparseConfig("random", budget=8, interval=2, window=2),
+                                 max_new_tokens=20, temperature=0, seed=seed, record=True).kept
+    assert all(torch.equal(a, b) for a, b in zip(kept(1), kept(1)))
+    assert not all(torch.equal(a, b) for a, b in zip(kept(1), kept(2)))
 
 
 def test_bfloat16_runs_close_to_float32():
@@ -109,6 +161,9 @@ def test_bfloat16_runs_close_to_float32():
     ([], {}, "prompts must be a non-empty list"),
     ([[1, 2], []], {}, "prompt 1 is empty"),
     ([[1, 99]], {}, "token ids outside \\[0, 64\\)"),
+    ([[1, 64]], {}, "token ids outside \\[0, 64\\): min 1, max 64"),      # the vocabulary's first id past its end
+    ([[0, -1]], {}, "token ids outside \\[0, 64\\): min -1, max 0"),
+    ([[1, 2]], dict(logprobs_topk=0), "logprobs_topk must be a positive integer, got 0"),
     ([[1, 2]], dict(max_new_tokens=0), "max_new_tokens must be a positive integer, got 0"),
     ([[1, 2]], dict(temperature=-0.5), "temperature must be >= 0"),
     ([[1, 2]], dict(top_p=0.0), "top_p must lie in \\(0, 1\\], got 0.0"),
@@ -121,6 +176,14 @@ def test_bad_input_is_refused_before_any_forward_pass(prompts, kwargs, message):
     with pytest.raises(ValueError, match=message):
         generate(model, prompts, SparseConfig("full"), **kwargs)
     assert calls == []
+
+
+def test_the_first_and_last_token_ids_are_accepted():
+    # 0 and vocab_size - 1 are prompt tokens like any other (the refusals above start just outside them)
+    model = tiny_model("llama")
+    prompts = [[0, 63, 5], [63, 0]]
+    out = generate(model, prompts, SparseConfig("full"), max_new_tokens=4, temperature=0)
+    assert torch.equal(out.tokens, hf_greedy(model, prompts, 4))
 
 
 @pytest.mark.parametrize("sparse", [SparseConfig("full"), SparseConfig("h2o", budget=8, interval=3, window=2),

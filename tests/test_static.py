@@ -35,8 +35,9 @@ def step_kinds(monkeypatch, spans=None):
 
 
 def kept_sets(rollouts):
-    """Per layer, step, row and KV head: the set of positions attended (-1 slots dropped)."""
-    return [[[[set(h[h >= 0].tolist()) for h in row] for row in step] for step in layer] for layer in rollouts.kept]
+    """Per layer, step, row and KV head: the positions attended, sorted (-1 slots dropped; a position that
+    shows twice counts twice, as it does in `attended_tokens`)."""
+    return [[[[sorted(h[h >= 0].tolist()) for h in row] for row in step] for step in layer] for layer in rollouts.kept]
 
 
 def test_sample_token_draws_what_torch_multinomial_draws():
@@ -77,6 +78,20 @@ def test_static_path_equals_the_eager_path(monkeypatch, sparse, temperature, top
     if temperature == 0:
         assert len(set(eager.mask.sum(1).tolist())) > 1       # the rows ended at different steps
     assert len(set(spans)) > 1                                 # the test crossed from one span to the next
+
+
+def test_h2o_static_steps_accumulate_what_eager_steps_accumulate(monkeypatch):
+    # H2O's score, the attention each held key has received (the mean over its KV head's group of query heads),
+    # is added to at every step: after 30 steps, static ones between compressions, the static cache holds the
+    # eager cache's positions [N, H_kv, S] with the eager cache's accumulated attention, to fp32 rounding
+    model = tiny_model("llama")
+    monkeypatch.setattr("static.SPAN", 3)
+    run = lambda captured: generate(model, PROMPTS, SparseConfig("h2o", budget=8, interval=3, window=2),
+                                    max_new_tokens=30, temperature=0, record=True, captured=captured).stats["cache"]
+    eager, static = run(False), run(True)
+    for ours, theirs in zip(static.layers, eager.layers):
+        assert torch.equal(ours.pos, theirs.pos) and theirs.acc.sum() > 1.0
+        assert (ours.acc - theirs.acc).abs().max() < 1e-5
 
 
 def test_a_span_reads_the_held_slots_rounded_up(monkeypatch):
