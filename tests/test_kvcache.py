@@ -40,22 +40,40 @@ def kept_positions(cache):
              for b in range(step.shape[0])] for step in cache.history[0]]
 
 
+def check_against_one_prompt_reference(sparse, lengths=LENGTHS, new_tokens=24):
+    """Each row of a left-padded batch keeps, step by step, what `simulate_cache` keeps for its prompt alone,
+    and attends to the same outputs. -> the cache."""
+    q, k, v, pos, P = random_steps(lengths, new_tokens)
+    cache, out = run_cache(sparse, q, k, v, pos, P)
+    steps = kept_positions(cache)
+    for b in range(len(lengths)):
+        real = pos[b] >= 0
+        ref_steps, ref_out = simulate_cache(sparse, q[b][:, real], k[b][:, real], v[b][:, real], lengths[b],
+                                            scaling=D ** -0.5)
+        assert [step[b] for step in steps] == ref_steps, f"row {b}"
+        assert torch.allclose(out[b][:, real].double(), ref_out, atol=1e-5)
+    return cache
+
+
 @pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "snapkv", "rkv"])
 def test_each_row_of_a_padded_batch_keeps_what_the_one_prompt_reference_keeps(policy):
     # the reference runs one prompt at a time with no padding, as the authors' code does; our cache runs
     # the left-padded batch of mixed lengths, where rows fall due on different steps
     sparse = SparseConfig(policy, budget=7, interval=3, window=3, sink=2, kernel=3)
-    q, k, v, pos, P = random_steps()
-    cache, out = run_cache(sparse, q, k, v, pos, P)
-    steps = kept_positions(cache)
-    for b in range(len(LENGTHS)):
-        real = pos[b] >= 0
-        ref_steps, ref_out = simulate_cache(sparse, q[b][:, real], k[b][:, real], v[b][:, real], LENGTHS[b],
-                                            scaling=D ** -0.5)
-        assert [step[b] for step in steps] == ref_steps, f"row {b}"
-        assert torch.allclose(out[b][:, real].double(), ref_out, atol=1e-5)
+    cache = check_against_one_prompt_reference(sparse)
     if policy != "full":
         assert cache.compressions > 3
+
+
+@pytest.mark.parametrize("policy", ["h2o", "rkv"])
+def test_scores_computed_in_chunks_match_the_one_prompt_reference(monkeypatch, policy):
+    # H2O's prefill softmax and R-KV's similarity rows go CHUNK rows at a time; with CHUNK = 3 the 13-query
+    # prefill and the up to 10 kept keys span several chunks, and every chunk must add to the same totals
+    import kvcache
+    import policies
+    monkeypatch.setattr(kvcache, "CHUNK", 3)
+    monkeypatch.setattr(policies, "CHUNK", 3)
+    check_against_one_prompt_reference(SparseConfig(policy, budget=7, interval=3, window=3, sink=2, kernel=3))
 
 
 def test_streaming_keeps_sink_and_most_recent():
