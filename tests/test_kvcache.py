@@ -76,6 +76,15 @@ def test_scores_computed_in_chunks_match_the_one_prompt_reference(monkeypatch, p
     check_against_one_prompt_reference(SparseConfig(policy, budget=7, interval=3, window=3, sink=2, kernel=3))
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "rkv"])
+def test_prompts_shorter_than_the_window_score_with_their_last_window_queries(policy):
+    # window 5 > every prompt (4, 2, 3 tokens): the prefill fills only part of the ring of remembered queries and
+    # the decode steps the rest; each compression scores with the row's last 5 queries (the 4-token row
+    # compresses after 3 decode steps, when its ring still holds 2 prefill queries)
+    sparse = SparseConfig(policy, budget=6, interval=1, window=5, sink=0, kernel=3)
+    check_against_one_prompt_reference(sparse, lengths=(4, 2, 3), new_tokens=10)
+
+
 def test_streaming_keeps_sink_and_most_recent():
     sparse = SparseConfig("streaming", budget=6, interval=1, window=2, sink=2)
     q, k, v, pos, P = random_steps(prompt_lens=(5, 5, 5), new_tokens=10)
