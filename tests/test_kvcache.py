@@ -23,14 +23,17 @@ def random_steps(prompt_lens=LENGTHS, new_tokens=24, seed=0):
     return q, k, v, pos, P
 
 
-def run_cache(sparse, q, k, v, pos, P, seed=0):
-    """Feed the tensors through KVCache exactly as the model would; -> cache, outputs [B, H, L, D]."""
-    cache = KVCache(sparse, num_layers=1, max_new_tokens=q.shape[2] - P, seed=seed, record=True)
+def run_cache(sparse, q, k, v, pos, P, seed=0, layers=1):
+    """Feed the tensors through KVCache exactly as the model would (the same Q, K, V in each of `layers`
+    layers); -> cache, layer 0's outputs [B, H, L, D]."""
+    cache = KVCache(sparse, num_layers=layers, max_new_tokens=q.shape[2] - P, seed=seed, record=True)
     outs = []
     for cols in [slice(0, P)] + [slice(c, c + 1) for c in range(P, q.shape[2])]:
         cache.start_step(pos[:, cols])
-        cache.update(k[:, :, cols], v[:, :, cols], 0)
-        outs.append(cache.attend(0, q[:, :, cols], scaling=D ** -0.5))
+        for layer in range(layers):
+            cache.update(k[:, :, cols], v[:, :, cols], layer)
+            out = cache.attend(layer, q[:, :, cols], scaling=D ** -0.5)
+            outs += [out] if layer == 0 else []
     return cache, torch.cat(outs, dim=2)
 
 
@@ -247,3 +250,39 @@ def test_under_bf16_autocast_the_cache_holds_bf16_at_half_the_bytes():
     assert layer.k_buf.dtype == layer.v_buf.dtype == torch.bfloat16
     assert bf16.stats["peak_kv_tokens"] == fp32.stats["peak_kv_tokens"]
     assert 2 * bf16.stats["peak_kv_bytes"] == fp32.stats["peak_kv_bytes"]
+
+
+def lowbias32(x):
+    """The "lowbias32" integer hash (multiply-xorshift, two rounds) on a Python int: 32 bits in, 32 out."""
+    x &= 0xFFFFFFFF
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+def test_random_policy_matches_a_loop_over_hashed_positions():
+    # `random` scores the token at position p of KV head h in layer l of a row that has seen `context` tokens
+    # (this step's included) with lowbias32(lowbias32(lowbias32(seed * 1_000_003 + context + 65_537 * l) + h) + p),
+    # and a compression keeps the window plus the best (budget - window) others. Re-done here one row, layer and
+    # head at a time with Python ints: every layer, head and compression draws afresh, and a row's draw does not
+    # depend on its batch-mates (mixed prompt lengths, so the rows fall due on different steps). 2 layers.
+    sparse, seed = SparseConfig("random", budget=6, interval=3, window=2, sink=0), 5
+    q, k, v, pos, P = random_steps()
+    cache, _ = run_cache(sparse, q, k, v, pos, P, seed=seed, layers=2)
+    for layer in range(2):
+        got = [[[sorted(p for p in step[b, h].tolist() if p >= 0) for h in range(H_KV)] for b in range(len(LENGTHS))]
+               for step in cache.history[layer]]
+        for b, length in enumerate(LENGTHS):
+            kept = [list(range(length)) for _ in range(H_KV)]
+            for step in range(1, q.shape[2] - P + 1):
+                context = length + step
+                for h in range(H_KV):
+                    kept[h].append(context - 1)
+                    if len(kept[h]) - sparse.budget >= sparse.interval:
+                        window = [p for p in kept[h] if p > context - 1 - sparse.window]
+                        salt = lowbias32(seed * 1_000_003 + context + 65_537 * layer)
+                        others = sorted((p for p in kept[h] if p not in window),
+                                        key=lambda p: -lowbias32(lowbias32(salt + h) + p))
+                        kept[h] = sorted(others[: sparse.budget - len(window)] + window)
+                assert got[step][b] == kept, f"layer {layer}, row {b}, step {step}"
+    assert cache.compressions > 3
