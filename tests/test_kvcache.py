@@ -286,3 +286,24 @@ def test_random_policy_matches_a_loop_over_hashed_positions():
                         kept[h] = sorted(others[: sparse.budget - len(window)] + window)
                 assert got[step][b] == kept, f"layer {layer}, row {b}, step {step}"
     assert cache.compressions > 3
+
+
+def test_h2o_accumulates_the_attention_each_slot_received(monkeypatch):
+    # H2O's `acc` [B, H_kv, S]: the attention each slot has received from every real query so far (prefill and
+    # decode steps, the query at position 0 included), the mean over the KV head's G query heads. Nothing is
+    # evicted here (budget 64), so slot = column. CHUNK = 3 makes the prefill's 13 queries five chunks.
+    # Reference: a dense causal softmax per row, query head and query.
+    import kvcache
+    monkeypatch.setattr(kvcache, "CHUNK", 3)
+    q, k, v, pos, P = random_steps(new_tokens=4)
+    cache, _ = run_cache(SparseConfig("h2o", budget=64), q, k, v, pos, P)
+    G, L = H // H_KV, q.shape[2]
+    expected = torch.zeros(len(LENGTHS), H_KV, L, dtype=torch.float64)
+    for b in range(len(LENGTHS)):
+        for head in range(H):
+            for c in range(L):
+                if pos[b, c] >= 0:
+                    seen = (pos[b] >= 0) & (pos[b] <= pos[b, c])
+                    logits = q[b, head, c].double() @ k[b, head // G].double().T * D ** -0.5
+                    expected[b, head // G] += logits.masked_fill(~seen, float("-inf")).softmax(-1) / G
+    assert torch.allclose(cache.layers[0].acc.double(), expected, atol=1e-5)
