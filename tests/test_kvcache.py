@@ -307,3 +307,20 @@ def test_h2o_accumulates_the_attention_each_slot_received(monkeypatch):
                     logits = q[b, head, c].double() @ k[b, head // G].double().T * D ** -0.5
                     expected[b, head // G] += logits.masked_fill(~seen, float("-inf")).softmax(-1) / G
     assert torch.allclose(cache.layers[0].acc.double(), expected, atol=1e-5)
+
+
+def test_buffers_hold_what_the_cache_can_reach_before_compressing():
+    # slots preallocated per layer: prompt + max_new_tokens for `full` and `blocktopk` (nothing is evicted), else
+    # min(prompt + max_new_tokens, max(prompt + 1, budget + interval)): the cache never holds more than that.
+    snap = KVCache(SparseConfig("snapkv", budget=10, interval=4, window=2, sink=2), 1, max_new_tokens=40)
+    assert [snap.capacity(p) for p in (3, 13, 20, 60)] == [14, 14, 21, 61]
+    short = KVCache(SparseConfig("snapkv", budget=10, interval=4, window=2, sink=2), 1, max_new_tokens=5)
+    assert [short.capacity(p) for p in (3, 8, 20)] == [8, 13, 21]
+    for policy in ("full", "blocktopk"):
+        cache = KVCache(SparseConfig(policy, budget=16, page_size=16), 1, max_new_tokens=40)
+        assert [cache.capacity(p) for p in (3, 20)] == [43, 60]
+    # a rollout's buffers are allocated once at that size and never grow: 13-token prompt, 40 new tokens
+    sparse = SparseConfig("snapkv", budget=10, interval=4, window=2, sink=2)
+    out = generate(tiny_model("llama"), [list(range(1, 14)), [3, 4, 5]], sparse, max_new_tokens=40, temperature=1.0,
+                   record=True)
+    assert [layer.k_buf.shape[2] for layer in out.stats["cache"].layers] == [14, 14]
