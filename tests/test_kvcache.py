@@ -324,3 +324,14 @@ def test_buffers_hold_what_the_cache_can_reach_before_compressing():
     out = generate(tiny_model("llama"), [list(range(1, 14)), [3, 4, 5]], sparse, max_new_tokens=40, temperature=1.0,
                    record=True)
     assert [layer.k_buf.shape[2] for layer in out.stats["cache"].layers] == [14, 14]
+
+
+def test_defaults_are_the_official_settings_and_the_smallest_budget_is_allowed():
+    # docs/method.md section 2 (Sparse-RL: budget 512, interval 128, window 8, 4 sinks, lam 0.1, kernel 7) and
+    # section 3 (Sparrow: 16-token pages, the first 2 layers dense)
+    sparse = SparseConfig()
+    assert (sparse.policy, sparse.budget, sparse.interval, sparse.window, sparse.sink, sparse.lam, sparse.kernel,
+            sparse.page_size, sparse.dense_layers) == ("full", 512, 128, 8, 4, 0.1, 7, 16, 2)
+    # a budget of exactly window + sink (one page for blocktopk) still leaves the policy a choice
+    assert SparseConfig("snapkv", budget=12, window=8, sink=4).budget == 12
+    assert SparseConfig("blocktopk", budget=16, page_size=16).budget == 16
