@@ -6,6 +6,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from kvcache import KVCache, SparseConfig, check_model
 from reference import full_forward_logprobs, masked_dense_logprobs, simulate_cache, tiny_model
 from sampler import generate
+from schedule import Schedule
 
 B, H, H_KV, D = 3, 4, 2, 8
 LENGTHS = (9, 5, 13)   # mixed prompt lengths: the batch is left-padded
@@ -173,10 +174,12 @@ def test_recording_reads_nothing_back_while_decoding(monkeypatch, policy):
     assert len(attended) == 29 and all(0 < a <= 9 + 29 for a in attended)
 
 
-def test_blocktopk_pages_match_a_brute_force_choice():
+@pytest.mark.parametrize("schedule", [None, Schedule((0, 20), (4, 12))], ids=["fixed", "scheduled"])
+def test_blocktopk_pages_match_a_brute_force_choice(schedule):
     # every decode step, re-chosen with loops from the raw keys: page = position // 4, score = the
-    # group-mean query . the page's mean key; first page + 2 newest + the 2 best others
-    sparse = SparseConfig("blocktopk", budget=8, page_size=4, dense_layers=0)
+    # group-mean query . the page's mean key; first page + 2 newest + the budget // 4 best others (2; with the
+    # schedule each row's own budget at its context: 1 page below 20 tokens, 3 from 20 on, so rows differ)
+    sparse = SparseConfig("blocktopk", budget=8, page_size=4, dense_layers=0, schedule=schedule)
     q, k, v, pos, P = random_steps()
     cache, _ = run_cache(sparse, q, k, v, pos, P)
     for step, got in enumerate(kept_positions(cache)[1:]):
@@ -190,7 +193,8 @@ def test_blocktopk_pages_match_a_brute_force_choice():
                 query = q[b, 2 * h:2 * h + 2, col].mean(0)
                 mean = {g: torch.stack([k[b, h, column[p]] for p in seen if p // 4 == g]).mean(0) for g in pages}
                 others = [p for p in pages if p != 0 and p < newest - 1]
-                best = sorted(others, key=lambda p: -float(mean[p] @ query))[:2]
+                top = (8 if schedule is None else schedule(len(seen))) // 4
+                best = sorted(others, key=lambda p: -float(mean[p] @ query))[:top]
                 expect = {0, newest - 1, newest, *best} & set(pages)
                 assert got[b][h] == [p for p in seen if p // 4 in expect]
 
