@@ -56,3 +56,13 @@ def test_redundancy_by_hand():
     expected = torch.tensor([0.3, 0.125, 0.0, 0.125]).softmax(-1)
     assert got[0, 0, 0] == 0.0
     assert torch.allclose(got[0, 0, 1:], expected, atol=1e-6)
+
+
+def test_keep_indices_breaks_ties_toward_the_earlier_slot():
+    # 20 equal scores [1, 1, 20] (a plain sort may reorder ties from 17 elements on): keeping 3 keeps slots 0, 1, 2,
+    # the same slots on every run and device; with slot 5 scored higher, slots 5, 0, 1 (index in slot order)
+    scores = torch.zeros(1, 1, 20)
+    index, kept = keep_indices(scores, torch.tensor([3]), 3)
+    assert index.tolist() == [[[0, 1, 2]]] and kept.all()
+    scores[0, 0, 5] = 1.0
+    assert keep_indices(scores, torch.tensor([3]), 3)[0].tolist() == [[[0, 1, 5]]]
