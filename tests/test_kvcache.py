@@ -6,6 +6,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from kvcache import KVCache, SparseConfig, check_model
 from reference import full_forward_logprobs, masked_dense_logprobs, simulate_cache, tiny_model
 from sampler import generate
+from schedule import Schedule
 
 B, H, H_KV, D = 3, 4, 2, 8
 LENGTHS = (9, 5, 13)   # mixed prompt lengths: the batch is left-padded
@@ -23,14 +24,17 @@ def random_steps(prompt_lens=LENGTHS, new_tokens=24, seed=0):
     return q, k, v, pos, P
 
 
-def run_cache(sparse, q, k, v, pos, P, seed=0):
-    """Feed the tensors through KVCache exactly as the model would; -> cache, outputs [B, H, L, D]."""
-    cache = KVCache(sparse, num_layers=1, max_new_tokens=q.shape[2] - P, seed=seed, record=True)
+def run_cache(sparse, q, k, v, pos, P, seed=0, layers=1):
+    """Feed the tensors through KVCache exactly as the model would (the same Q, K, V in each of `layers`
+    layers); -> cache, layer 0's outputs [B, H, L, D]."""
+    cache = KVCache(sparse, num_layers=layers, max_new_tokens=q.shape[2] - P, seed=seed, record=True)
     outs = []
     for cols in [slice(0, P)] + [slice(c, c + 1) for c in range(P, q.shape[2])]:
         cache.start_step(pos[:, cols])
-        cache.update(k[:, :, cols], v[:, :, cols], 0)
-        outs.append(cache.attend(0, q[:, :, cols], scaling=D ** -0.5))
+        for layer in range(layers):
+            cache.update(k[:, :, cols], v[:, :, cols], layer)
+            out = cache.attend(layer, q[:, :, cols], scaling=D ** -0.5)
+            outs += [out] if layer == 0 else []
     return cache, torch.cat(outs, dim=2)
 
 
@@ -40,22 +44,49 @@ def kept_positions(cache):
              for b in range(step.shape[0])] for step in cache.history[0]]
 
 
+def check_against_one_prompt_reference(sparse, lengths=LENGTHS, new_tokens=24):
+    """Each row of a left-padded batch keeps, step by step, what `simulate_cache` keeps for its prompt alone,
+    and attends to the same outputs. -> the cache."""
+    q, k, v, pos, P = random_steps(lengths, new_tokens)
+    cache, out = run_cache(sparse, q, k, v, pos, P)
+    steps = kept_positions(cache)
+    for b in range(len(lengths)):
+        real = pos[b] >= 0
+        ref_steps, ref_out = simulate_cache(sparse, q[b][:, real], k[b][:, real], v[b][:, real], lengths[b],
+                                            scaling=D ** -0.5)
+        assert [step[b] for step in steps] == ref_steps, f"row {b}"
+        assert torch.allclose(out[b][:, real].double(), ref_out, atol=1e-5)
+    return cache
+
+
 @pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "snapkv", "rkv"])
 def test_each_row_of_a_padded_batch_keeps_what_the_one_prompt_reference_keeps(policy):
     # the reference runs one prompt at a time with no padding, as the authors' code does; our cache runs
     # the left-padded batch of mixed lengths, where rows fall due on different steps
     sparse = SparseConfig(policy, budget=7, interval=3, window=3, sink=2, kernel=3)
-    q, k, v, pos, P = random_steps()
-    cache, out = run_cache(sparse, q, k, v, pos, P)
-    steps = kept_positions(cache)
-    for b in range(len(LENGTHS)):
-        real = pos[b] >= 0
-        ref_steps, ref_out = simulate_cache(sparse, q[b][:, real], k[b][:, real], v[b][:, real], LENGTHS[b],
-                                            scaling=D ** -0.5)
-        assert [step[b] for step in steps] == ref_steps, f"row {b}"
-        assert torch.allclose(out[b][:, real].double(), ref_out, atol=1e-5)
+    cache = check_against_one_prompt_reference(sparse)
     if policy != "full":
         assert cache.compressions > 3
+
+
+@pytest.mark.parametrize("policy", ["h2o", "rkv"])
+def test_scores_computed_in_chunks_match_the_one_prompt_reference(monkeypatch, policy):
+    # H2O's prefill softmax and R-KV's similarity rows go CHUNK rows at a time; with CHUNK = 3 the 13-query
+    # prefill and the up to 10 kept keys span several chunks, and every chunk must add to the same totals
+    import kvcache
+    import policies
+    monkeypatch.setattr(kvcache, "CHUNK", 3)
+    monkeypatch.setattr(policies, "CHUNK", 3)
+    check_against_one_prompt_reference(SparseConfig(policy, budget=7, interval=3, window=3, sink=2, kernel=3))
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "rkv"])
+def test_prompts_shorter_than_the_window_score_with_their_last_window_queries(policy):
+    # window 5 > every prompt (4, 2, 3 tokens): the prefill fills only part of the ring of remembered queries and
+    # the decode steps the rest; each compression scores with the row's last 5 queries (the 4-token row
+    # compresses after 3 decode steps, when its ring still holds 2 prefill queries)
+    sparse = SparseConfig(policy, budget=6, interval=1, window=5, sink=0, kernel=3)
+    check_against_one_prompt_reference(sparse, lengths=(4, 2, 3), new_tokens=10)
 
 
 def test_streaming_keeps_sink_and_most_recent():
@@ -143,10 +174,12 @@ def test_recording_reads_nothing_back_while_decoding(monkeypatch, policy):
     assert len(attended) == 29 and all(0 < a <= 9 + 29 for a in attended)
 
 
-def test_blocktopk_pages_match_a_brute_force_choice():
+@pytest.mark.parametrize("schedule", [None, Schedule((0, 20), (4, 12))], ids=["fixed", "scheduled"])
+def test_blocktopk_pages_match_a_brute_force_choice(schedule):
     # every decode step, re-chosen with loops from the raw keys: page = position // 4, score = the
-    # group-mean query . the page's mean key; first page + 2 newest + the 2 best others
-    sparse = SparseConfig("blocktopk", budget=8, page_size=4, dense_layers=0)
+    # group-mean query . the page's mean key; first page + 2 newest + the budget // 4 best others (2; with the
+    # schedule each row's own budget at its context: 1 page below 20 tokens, 3 from 20 on, so rows differ)
+    sparse = SparseConfig("blocktopk", budget=8, page_size=4, dense_layers=0, schedule=schedule)
     q, k, v, pos, P = random_steps()
     cache, _ = run_cache(sparse, q, k, v, pos, P)
     for step, got in enumerate(kept_positions(cache)[1:]):
@@ -160,7 +193,8 @@ def test_blocktopk_pages_match_a_brute_force_choice():
                 query = q[b, 2 * h:2 * h + 2, col].mean(0)
                 mean = {g: torch.stack([k[b, h, column[p]] for p in seen if p // 4 == g]).mean(0) for g in pages}
                 others = [p for p in pages if p != 0 and p < newest - 1]
-                best = sorted(others, key=lambda p: -float(mean[p] @ query))[:2]
+                top = (8 if schedule is None else schedule(len(seen))) // 4
+                best = sorted(others, key=lambda p: -float(mean[p] @ query))[:top]
                 expect = {0, newest - 1, newest, *best} & set(pages)
                 assert got[b][h] == [p for p in seen if p // 4 in expect]
 
@@ -220,3 +254,88 @@ def test_under_bf16_autocast_the_cache_holds_bf16_at_half_the_bytes():
     assert layer.k_buf.dtype == layer.v_buf.dtype == torch.bfloat16
     assert bf16.stats["peak_kv_tokens"] == fp32.stats["peak_kv_tokens"]
     assert 2 * bf16.stats["peak_kv_bytes"] == fp32.stats["peak_kv_bytes"]
+
+
+def lowbias32(x):
+    """The "lowbias32" integer hash (multiply-xorshift, two rounds) on a Python int: 32 bits in, 32 out."""
+    x &= 0xFFFFFFFF
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+def test_random_policy_matches_a_loop_over_hashed_positions():
+    # `random` scores the token at position p of KV head h in layer l of a row that has seen `context` tokens
+    # (this step's included) with lowbias32(lowbias32(lowbias32(seed * 1_000_003 + context + 65_537 * l) + h) + p),
+    # and a compression keeps the window plus the best (budget - window) others. Re-done here one row, layer and
+    # head at a time with Python ints: every layer, head and compression draws afresh, and a row's draw does not
+    # depend on its batch-mates (mixed prompt lengths, so the rows fall due on different steps). 2 layers.
+    sparse, seed = SparseConfig("random", budget=6, interval=3, window=2, sink=0), 5
+    q, k, v, pos, P = random_steps()
+    cache, _ = run_cache(sparse, q, k, v, pos, P, seed=seed, layers=2)
+    for layer in range(2):
+        got = [[[sorted(p for p in step[b, h].tolist() if p >= 0) for h in range(H_KV)] for b in range(len(LENGTHS))]
+               for step in cache.history[layer]]
+        for b, length in enumerate(LENGTHS):
+            kept = [list(range(length)) for _ in range(H_KV)]
+            for step in range(1, q.shape[2] - P + 1):
+                context = length + step
+                for h in range(H_KV):
+                    kept[h].append(context - 1)
+                    if len(kept[h]) - sparse.budget >= sparse.interval:
+                        window = [p for p in kept[h] if p > context - 1 - sparse.window]
+                        salt = lowbias32(seed * 1_000_003 + context + 65_537 * layer)
+                        others = sorted((p for p in kept[h] if p not in window),
+                                        key=lambda p: -lowbias32(lowbias32(salt + h) + p))
+                        kept[h] = sorted(others[: sparse.budget - len(window)] + window)
+                assert got[step][b] == kept, f"layer {layer}, row {b}, step {step}"
+    assert cache.compressions > 3
+
+
+def test_h2o_accumulates_the_attention_each_slot_received(monkeypatch):
+    # H2O's `acc` [B, H_kv, S]: the attention each slot has received from every real query so far (prefill and
+    # decode steps, the query at position 0 included), the mean over the KV head's G query heads. Nothing is
+    # evicted here (budget 64), so slot = column. CHUNK = 3 makes the prefill's 13 queries five chunks.
+    # Reference: a dense causal softmax per row, query head and query.
+    import kvcache
+    monkeypatch.setattr(kvcache, "CHUNK", 3)
+    q, k, v, pos, P = random_steps(new_tokens=4)
+    cache, _ = run_cache(SparseConfig("h2o", budget=64), q, k, v, pos, P)
+    G, L = H // H_KV, q.shape[2]
+    expected = torch.zeros(len(LENGTHS), H_KV, L, dtype=torch.float64)
+    for b in range(len(LENGTHS)):
+        for head in range(H):
+            for c in range(L):
+                if pos[b, c] >= 0:
+                    seen = (pos[b] >= 0) & (pos[b] <= pos[b, c])
+                    logits = q[b, head, c].double() @ k[b, head // G].double().T * D ** -0.5
+                    expected[b, head // G] += logits.masked_fill(~seen, float("-inf")).softmax(-1) / G
+    assert torch.allclose(cache.layers[0].acc.double(), expected, atol=1e-5)
+
+
+def test_buffers_hold_what_the_cache_can_reach_before_compressing():
+    # slots preallocated per layer: prompt + max_new_tokens for `full` and `blocktopk` (nothing is evicted), else
+    # min(prompt + max_new_tokens, max(prompt + 1, budget + interval)): the cache never holds more than that.
+    snap = KVCache(SparseConfig("snapkv", budget=10, interval=4, window=2, sink=2), 1, max_new_tokens=40)
+    assert [snap.capacity(p) for p in (3, 13, 20, 60)] == [14, 14, 21, 61]
+    short = KVCache(SparseConfig("snapkv", budget=10, interval=4, window=2, sink=2), 1, max_new_tokens=5)
+    assert [short.capacity(p) for p in (3, 8, 20)] == [8, 13, 21]
+    for policy in ("full", "blocktopk"):
+        cache = KVCache(SparseConfig(policy, budget=16, page_size=16), 1, max_new_tokens=40)
+        assert [cache.capacity(p) for p in (3, 20)] == [43, 60]
+    # a rollout's buffers are allocated once at that size and never grow: 13-token prompt, 40 new tokens
+    sparse = SparseConfig("snapkv", budget=10, interval=4, window=2, sink=2)
+    out = generate(tiny_model("llama"), [list(range(1, 14)), [3, 4, 5]], sparse, max_new_tokens=40, temperature=1.0,
+                   record=True)
+    assert [layer.k_buf.shape[2] for layer in out.stats["cache"].layers] == [14, 14]
+
+
+def test_defaults_are_the_official_settings_and_the_smallest_budget_is_allowed():
+    # docs/method.md section 2 (Sparse-RL: budget 512, interval 128, window 8, 4 sinks, lam 0.1, kernel 7) and
+    # section 3 (Sparrow: 16-token pages, the first 2 layers dense)
+    sparse = SparseConfig()
+    assert (sparse.policy, sparse.budget, sparse.interval, sparse.window, sparse.sink, sparse.lam, sparse.kernel,
+            sparse.page_size, sparse.dense_layers) == ("full", 512, 128, 8, 4, 0.1, 7, 16, 2)
+    # a budget of exactly window + sink (one page for blocktopk) still leaves the policy a choice
+    assert SparseConfig("snapkv", budget=12, window=8, sink=4).budget == 12
+    assert SparseConfig("blocktopk", budget=16, page_size=16).budget == 16

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kvcache import SparseConfig
-from policies import SCORERS, Rows, keep_indices
+from policies import SCORERS, Rows, keep_indices, redundancy
 
 H, H_KV, D = 4, 2, 8
 
@@ -40,3 +40,29 @@ def test_keep_indices_by_hand():
     index, kept = keep_indices(scores, torch.tensor([3, 5]), 5)
     assert index.tolist() == [[[1, 2, 3, 4, 5]], [[0, 1, 2, 4, 5]]]
     assert kept.tolist() == [[[False, True, False, True, True]], [[True] * 5]]
+
+
+def test_redundancy_by_hand():
+    # R-KV's redundancy over one head's keys [1, 1, 5, 4], slot 0 padding (a copy of slot 2's key: it must count for
+    # nothing). Valid slots c = [1,1,1,1], a = [1,0,0,0], f = [3,4,0,0], g = [0,0,0,1]; exact cosines:
+    #   c.a = 0.5  c.f = 0.7  c.g = 0.5  a.f = 0.6  a.g = 0  f.g = 0
+    # Each row (diagonal zeroed) also zeroes its LAST slot with cosine strictly above 0.5, or, if none, the first
+    # valid slot:   row c: 0.7 at f -> keeps a 0.5, g 0.5      row a: 0.6 at f -> keeps c 0.5
+    #               row f: c 0.7, a 0.6 -> zeroes a, keeps c 0.7   row g: none above 0.5 -> zeroes c (first)
+    # Column sums c 1.2, a 0.5, f 0, g 0.5; means over the 4 valid rows 0.3, 0.125, 0, 0.125; softmax over them.
+    keys = torch.tensor([[1., 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [3, 4, 0, 0], [0, 0, 0, 1]])[None, None]
+    valid = torch.tensor([False, True, True, True, True])[None, None]
+    got = redundancy(keys, valid)
+    expected = torch.tensor([0.3, 0.125, 0.0, 0.125]).softmax(-1)
+    assert got[0, 0, 0] == 0.0
+    assert torch.allclose(got[0, 0, 1:], expected, atol=1e-6)
+
+
+def test_keep_indices_breaks_ties_toward_the_earlier_slot():
+    # 20 equal scores [1, 1, 20] (a plain sort may reorder ties from 17 elements on): keeping 3 keeps slots 0, 1, 2,
+    # the same slots on every run and device; with slot 5 scored higher, slots 5, 0, 1 (index in slot order)
+    scores = torch.zeros(1, 1, 20)
+    index, kept = keep_indices(scores, torch.tensor([3]), 3)
+    assert index.tolist() == [[[0, 1, 2]]] and kept.all()
+    scores[0, 0, 5] = 1.0
+    assert keep_indices(scores, torch.tensor([3]), 3)[0].tolist() == [[[0, 1, 5]]]
