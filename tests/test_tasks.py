@@ -38,15 +38,21 @@ def test_every_task_is_tested():
 
 def test_pick_hides_a_block_of_distinct_digits_among_letters():
     examples = make_examples("pick", 500, seed=1)
-    sizes = set()
+    sizes, seen, sides = set(), set(), set()
     for example in examples:
         match = re.fullmatch(r"P([a-p]*)(\d+)([a-p]*)=", example["prompt"])   # one block of digits
         assert match, example["prompt"]
         digits, letters = match.group(2), match.group(1) + match.group(3)
         assert len(set(digits)) == len(digits) and 2 * len(digits) <= len(letters) <= 3 * len(digits)
         assert example["answer"] == "".join(sorted(digits))
-        sizes.add(len(digits))
-    assert sizes == {3, 4, 5, 6}                                        # the default lengths, all of them
+        sizes.add((len(digits), len(letters)))
+        seen |= set(digits)
+        sides.add((match.group(1) == "", match.group(3) == ""))
+    # every size: the default 3-6 digits, each with 2n..3n letters, the extremes included
+    assert sizes == {(n, m) for n in range(3, 7) for m in range(2 * n, 3 * n + 1)}
+    assert seen == set("0123456789")
+    assert sides == {(True, False), (False, True), (False, False)}     # the block first, last, in between
+    assert make_examples("pick", 1, seed=0, min_digits=10, max_digits=10)[0]["answer"] == "0123456789"
     with pytest.raises(ValueError, match="max_digits must be <= 10"):
         make_examples("pick", 1, seed=0, min_digits=3, max_digits=11)
 
@@ -67,6 +73,7 @@ def test_edit_match_by_hand():
     assert reward("014", "0149") == 0.75                                # one digit missing: 1 - 1/4
     assert reward("01459", "0149") == 0.8                               # one extra: 1 - 1/5
     assert reward("0249", "0149") == 0.75 and reward("", "0149") == 0.0 and reward("9410", "0149") == 0.0
+    assert reward("", "") == 1.0                                        # nothing to compare: no division by 0
     assert tasks.edit_distance("kitten", "sitting") == 3
 
 
@@ -77,15 +84,25 @@ def test_answers_match_an_independent_computation(task):
     for example in examples:
         digits = digits_of(example["prompt"], task)
         assert example["answer"] == EXPECTED[task](digits)
-    # The default lengths are the measured 12-20 digits, and all of them occur.
+    # The default lengths are the measured 12-20 digits, and all of them occur; so does every digit.
     assert {len(digits_of(e["prompt"], task)) for e in examples} == set(range(12, 21))
+    assert set("".join(digits_of(e["prompt"], task) for e in examples)) == set("0123456789")
 
 
 def test_lengths_are_configurable():
     examples = make_examples("reverse", 100, seed=0, min_digits=3, max_digits=5)
     assert {len(digits_of(e["prompt"], "reverse")) for e in examples} == {3, 4, 5}
-    with pytest.raises(ValueError, match="min_digits"):
-        make_examples("sort", 1, seed=0, min_digits=6, max_digits=5)
+    for low in (6, 0):                                                 # min > max, or no digit at all
+        with pytest.raises(ValueError, match="min_digits"):
+            make_examples("sort", 1, seed=0, min_digits=low, max_digits=5)
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_longest_prompt_chars_by_brute_force(task):
+    # with exactly d digits (min == max): marker + the longest body (pick: d digits + 3d letters) + "="
+    for d in (3, 5):
+        seen = max(len(e["prompt"]) for e in make_examples(task, 200, seed=0, min_digits=d, max_digits=d))
+        assert tasks.longest_prompt_chars(task, d) == seen == {"pick": 2 + 4 * d}.get(task, 2 + d)
 
 
 def test_same_seed_same_examples_other_seed_other_examples():
