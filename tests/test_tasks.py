@@ -182,6 +182,17 @@ def test_encode_prompt_uses_the_chat_template():
     assert encode_prompt(tok, "12")[:2] == [tok.bos_token_id, tok.convert_tokens_to_ids("R")]
 
 
+def test_encode_prompt_never_doubles_the_bos_of_a_tokenizer_that_adds_it_itself():
+    from tokenizers.processors import TemplateProcessing
+    tok = char_tokenizer()                                             # with a post-processor, as Llama's has
+    tok._tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
+    plain = tok.encode("S21=", add_special_tokens=False)
+    assert tok.encode("S21=") == [tok.bos_token_id] + plain             # it adds bos by itself
+    assert encode_prompt(tok, "S21=") == [tok.bos_token_id] + plain    # one bos, no template
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert encode_prompt(tok, "S21=") == [tok.bos_token_id] + plain    # one bos, the template's
+
+
 def test_encode_target_is_the_answer_then_eos():
     tok = char_tokenizer()
     ids = encode_target(tok, "1123")
@@ -219,6 +230,11 @@ def test_encode_target_is_the_answer_then_eos():
     ("\\boxed{1{,}000}", "1000", 1.0),
     ("\\boxed{\\$72}", "72", 1.0),
     ("#### **72**", "72", 1.0),
+    ("\\boxed{\\textbf{72}}", "72", 1.0),
+    ("\\boxed{\\mathrm{72}}", "72", 1.0),
+    ("\\boxed{1\\,000}", "1000", 1.0),                       # LaTeX's thin space: 1000, not 1
+    ("\\boxed{1\\!000}", "1000", 1.0),
+    ("#### 5\n####", "5", 0.0),                               # the last marker counts, even an empty one
     ("#### -$5", "-5", 1.0),
     ("#### $-5", "-5", 1.0),
     ("#### .5", "0.5", 1.0),
@@ -251,8 +267,10 @@ def test_load_jsonl_reads_both_shapes(tmp_path):
         json.dumps({"question": "How many?", "answer": "3 * 360 = 1080\n#### 1,080"}),
         "",  # blank lines are skipped
         json.dumps({"prompt": "2 - 5 =", "answer": "-3", "id": 7}),  # extra keys are ignored
+        json.dumps({"prompt": "5 / 2 =", "answer": "#### 2.50"}),
     ])
-    first, second = load_jsonl(path)
+    first, second, third = load_jsonl(path)
+    assert third == {"prompt": "5 / 2 =", "answer": "2.50"}
     assert first == {"prompt": "How many?\n" + tasks.ANSWER_INSTRUCTION, "answer": "1080"}
     assert second == {"prompt": "2 - 5 =", "answer": "-3"}
 
@@ -270,6 +288,7 @@ GOOD = json.dumps({"question": "q", "answer": "#### 1"})
     ('{"prompt": ["q"], "answer": "1"}', "'prompt' must be a string"),
     ('{"question": "q", "answer": "so it is\\n#### seventy"}', "not a number"),
     ('{"prompt": "q", "answer": ""}', "not a number"),
+    ('{"question": "q", "answer": "#### 72 apples"}', "not a number"),
 ])
 def test_malformed_line_names_file_and_line(tmp_path, bad, reason):
     path = write(tmp_path / "bad.jsonl", [GOOD, GOOD, bad, GOOD])
