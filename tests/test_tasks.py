@@ -65,6 +65,7 @@ def test_picks_teacher_stops_one_digit_early_on_most_long_answers():
     assert 0.65 < sum(t != a for a, t in long) / len(long) < 0.75       # 70 %
     assert all(t == e["answer"] for e, t in zip(examples, taught) if len(e["answer"]) < 4)
     assert tasks.demonstrations("sort", examples[:5], seed=3) == [e["answer"] for e in examples[:5]]
+    assert tasks.demonstrations("pick", examples, seed=3) == taught != tasks.demonstrations("pick", examples, seed=4)
 
 
 def test_edit_match_by_hand():
@@ -250,6 +251,7 @@ def test_extract_answer():
     assert extract_answer("#### 1,234,567.25") == 1234567.25
     assert extract_answer("\\boxed{\\text{1{,}000}} apples") == 1000
     assert extract_answer("#### 1,5") is None and extract_answer("\\boxed{72") is None
+    assert extract_answer("#### 1,2345") is None                       # not 1234 (nor 12345)
     assert extract_answer("The answer is 5") is None
     assert extract_answer("") is None
 
@@ -353,15 +355,20 @@ def solve_arithmetic(prompt):
 
 def test_arithmetic_answers_match_the_words_of_each_question():
     examples = tasks.make_arithmetic(400, seed=3, top=9, two_step=0.3)
-    kinds = set()
+    kinds = []
     for example in examples:
         expected, kind = solve_arithmetic(example["prompt"])
-        kinds.add(kind)
+        kinds.append(kind)
         solution, answer = example["answer"].split("\n#### ")
         assert int(answer) == expected > 0 and solution.endswith(f" = {expected}")
         assert numeric_reward(example["answer"], answer) == 1.0
         assert all(2 <= int(x) <= 9 for x in re.findall(r"\d+", example["prompt"][len(tasks.SHOTS):]))
-    assert kinds == set(range(len(ARITHMETIC)))                       # every kind of question occurs
+    assert set(kinds) == set(range(len(ARITHMETIC)))                  # every kind of question occurs
+    # two steps: drawn 30 % of the time, kept unless the answer is <= 0 (numbers 2..9, counted by enumeration)
+    r = range(2, 10)
+    one = (2 + sum(a > b for a in r for b in r) / 64) / 3             # a + b, a * b always; a - b if positive
+    two = (1 + sum(a + b > c for a in r for b in r for c in r) / 512) / 2
+    assert abs(sum(k >= 3 for k in kinds) / 400 - 0.3 * two / (0.3 * two + 0.7 * one)) < 0.06   # 0.355 vs 0.333
     assert {solve_arithmetic(e["prompt"])[1] for e in tasks.make_arithmetic(100, seed=3)} == {0, 1, 2}  # one step
 
 
