@@ -77,11 +77,17 @@ def test_sparse_rewards_are_those_of_each_prompt_sampled_alone_and_both_land_in_
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         assert texts.pop(0) == tokenizer.decode(out.tokens[0, : int(out.mask.sum())], skip_special_tokens=True)
     both = evaluate.eval_both(model, tokenizer, examples, recorder(dense), SPARSE, 12)
-    dense = torch.tensor([edit_match(t, e["answer"]) for t, e in zip(dense[:7], examples)])   # the first 7: dense
+    dense_texts, sparse_texts = dense[:7], dense[7:]                   # the first 7: dense
+    dense = torch.tensor([edit_match(t, e["answer"]) for t, e in zip(dense_texts, examples)])
     assert list(both) == ["dense", "sparse", "dense_reward", "sparse_reward"]   # eval.jsonl's order
     assert both["sparse_reward"] == pytest.approx(rewards.mean().item())
     assert both["dense_reward"] == pytest.approx(dense.mean().item())
     assert both["sparse"] == pytest.approx((rewards == 1).float().mean().item())
+    # the accuracies, each of its own cache: with a 0/1 reward that 4 dense and 6 sparse answers earn
+    long = lambda completion, answer: float(len(completion) >= 10)
+    hits = evaluate.eval_both(model, tokenizer, examples, long, SPARSE, 12)
+    assert hits["dense"] == pytest.approx(sum(len(t) >= 10 for t in dense_texts) / 7)
+    assert hits["sparse"] == pytest.approx(sum(len(t) >= 10 for t in sparse_texts) / 7) != hits["dense"]
 
 
 def moved_adapter(model):
@@ -118,11 +124,24 @@ def test_the_adapter_samples_through_a_sparse_cache_only_and_never_scores(toy, m
     assert active == {"generate": {True}, "dense_logprobs": {False}}
 
 
+def acceptances(model, out):
+    """Per-token acceptance of each response token of `out` [its tokens], by one plain forward pass of the
+    model over prompt + response per rollout: sum over the sampler's top-k ids of min(p_dense, p_sampler)."""
+    alphas = []
+    for prompt, row, mask, ids, logp in zip(out.prompts, out.tokens, out.mask, out.topk_ids, out.topk_logprobs):
+        n, start = int(mask.sum()), len(prompt) - 1                   # logits at start + t predict token t
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + row[:n].tolist()])).logits[0, start: start + n]   # [n, V]
+        dense = logits.float().log_softmax(-1).gather(-1, ids[:n])                                    # [n, k]
+        alphas.append(torch.minimum(dense.exp(), logp[:n].exp()).sum(-1))
+    return torch.cat(alphas)
+
+
 def test_run_inference_sums_the_batches(toy):
     model, tokenizer, examples = toy
     even = lambda completion, answer: float(len(completion) % 2 == 0)   # a 0/1 reward that some answers earn
     row = evaluate.run_inference(model, tokenizer, examples, even, SPARSE, 12, 3)
-    peak, lengths, hits = 0, [], []
+    peak, lengths, hits, alpha = 0, [], [], []
     for first in range(0, 7, 3):                                       # the same batches, sampled by hand
         out = generate(model, [encode_prompt(tokenizer, e["prompt"]) for e in examples[first: first + 3]], SPARSE,
                        12, temperature=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -130,9 +149,13 @@ def test_run_inference_sums_the_batches(toy):
         n = out.mask.sum(-1).long().tolist()
         lengths += n
         hits += [even(tokenizer.decode(row[:k], skip_special_tokens=True), None) for row, k in zip(out.tokens, n)]
+        alpha.append(acceptances(model, out))
     assert (row["peak_kv_bytes"], row["tokens"]) == (peak, sum(lengths))
     assert row["accuracy"] == pytest.approx(sum(hits) / len(hits)) and 0 < row["accuracy"] < 1
-    assert 0 < row["alpha_p05"] <= row["alpha_mean"] <= 1
+    alpha = torch.cat(alpha).double()                                  # [tokens], every batch's
+    assert row["alpha_mean"] == pytest.approx(alpha.mean().item(), abs=1e-5)
+    assert row["alpha_p05"] == pytest.approx(torch.quantile(alpha, 0.05).item(), abs=1e-5)
+    assert 0 < row["alpha_p05"] < row["alpha_mean"] < 1
 
 
 def test_a_run_is_scored_with_the_reward_it_trained_on(tmp_path):

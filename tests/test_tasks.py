@@ -38,15 +38,21 @@ def test_every_task_is_tested():
 
 def test_pick_hides_a_block_of_distinct_digits_among_letters():
     examples = make_examples("pick", 500, seed=1)
-    sizes = set()
+    sizes, seen, sides = set(), set(), set()
     for example in examples:
         match = re.fullmatch(r"P([a-p]*)(\d+)([a-p]*)=", example["prompt"])   # one block of digits
         assert match, example["prompt"]
         digits, letters = match.group(2), match.group(1) + match.group(3)
         assert len(set(digits)) == len(digits) and 2 * len(digits) <= len(letters) <= 3 * len(digits)
         assert example["answer"] == "".join(sorted(digits))
-        sizes.add(len(digits))
-    assert sizes == {3, 4, 5, 6}                                        # the default lengths, all of them
+        sizes.add((len(digits), len(letters)))
+        seen |= set(digits)
+        sides.add((match.group(1) == "", match.group(3) == ""))
+    # every size: the default 3-6 digits, each with 2n..3n letters, the extremes included
+    assert sizes == {(n, m) for n in range(3, 7) for m in range(2 * n, 3 * n + 1)}
+    assert seen == set("0123456789")
+    assert sides == {(True, False), (False, True), (False, False)}     # the block first, last, in between
+    assert make_examples("pick", 1, seed=0, min_digits=10, max_digits=10)[0]["answer"] == "0123456789"
     with pytest.raises(ValueError, match="max_digits must be <= 10"):
         make_examples("pick", 1, seed=0, min_digits=3, max_digits=11)
 
@@ -59,6 +65,7 @@ def test_picks_teacher_stops_one_digit_early_on_most_long_answers():
     assert 0.65 < sum(t != a for a, t in long) / len(long) < 0.75       # 70 %
     assert all(t == e["answer"] for e, t in zip(examples, taught) if len(e["answer"]) < 4)
     assert tasks.demonstrations("sort", examples[:5], seed=3) == [e["answer"] for e in examples[:5]]
+    assert tasks.demonstrations("pick", examples, seed=3) == taught != tasks.demonstrations("pick", examples, seed=4)
 
 
 def test_edit_match_by_hand():
@@ -67,6 +74,7 @@ def test_edit_match_by_hand():
     assert reward("014", "0149") == 0.75                                # one digit missing: 1 - 1/4
     assert reward("01459", "0149") == 0.8                               # one extra: 1 - 1/5
     assert reward("0249", "0149") == 0.75 and reward("", "0149") == 0.0 and reward("9410", "0149") == 0.0
+    assert reward("", "") == 1.0                                        # nothing to compare: no division by 0
     assert tasks.edit_distance("kitten", "sitting") == 3
 
 
@@ -77,15 +85,25 @@ def test_answers_match_an_independent_computation(task):
     for example in examples:
         digits = digits_of(example["prompt"], task)
         assert example["answer"] == EXPECTED[task](digits)
-    # The default lengths are the measured 12-20 digits, and all of them occur.
+    # The default lengths are the measured 12-20 digits, and all of them occur; so does every digit.
     assert {len(digits_of(e["prompt"], task)) for e in examples} == set(range(12, 21))
+    assert set("".join(digits_of(e["prompt"], task) for e in examples)) == set("0123456789")
 
 
 def test_lengths_are_configurable():
     examples = make_examples("reverse", 100, seed=0, min_digits=3, max_digits=5)
     assert {len(digits_of(e["prompt"], "reverse")) for e in examples} == {3, 4, 5}
-    with pytest.raises(ValueError, match="min_digits"):
-        make_examples("sort", 1, seed=0, min_digits=6, max_digits=5)
+    for low in (6, 0):                                                 # min > max, or no digit at all
+        with pytest.raises(ValueError, match="min_digits"):
+            make_examples("sort", 1, seed=0, min_digits=low, max_digits=5)
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_longest_prompt_chars_by_brute_force(task):
+    # with exactly d digits (min == max): marker + the longest body (pick: d digits + 3d letters) + "="
+    for d in (3, 5):
+        seen = max(len(e["prompt"]) for e in make_examples(task, 200, seed=0, min_digits=d, max_digits=d))
+        assert tasks.longest_prompt_chars(task, d) == seen == {"pick": 2 + 4 * d}.get(task, 2 + d)
 
 
 def test_same_seed_same_examples_other_seed_other_examples():
@@ -165,6 +183,17 @@ def test_encode_prompt_uses_the_chat_template():
     assert encode_prompt(tok, "12")[:2] == [tok.bos_token_id, tok.convert_tokens_to_ids("R")]
 
 
+def test_encode_prompt_never_doubles_the_bos_of_a_tokenizer_that_adds_it_itself():
+    from tokenizers.processors import TemplateProcessing
+    tok = char_tokenizer()                                             # with a post-processor, as Llama's has
+    tok._tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
+    plain = tok.encode("S21=", add_special_tokens=False)
+    assert tok.encode("S21=") == [tok.bos_token_id] + plain             # it adds bos by itself
+    assert encode_prompt(tok, "S21=") == [tok.bos_token_id] + plain    # one bos, no template
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert encode_prompt(tok, "S21=") == [tok.bos_token_id] + plain    # one bos, the template's
+
+
 def test_encode_target_is_the_answer_then_eos():
     tok = char_tokenizer()
     ids = encode_target(tok, "1123")
@@ -202,6 +231,11 @@ def test_encode_target_is_the_answer_then_eos():
     ("\\boxed{1{,}000}", "1000", 1.0),
     ("\\boxed{\\$72}", "72", 1.0),
     ("#### **72**", "72", 1.0),
+    ("\\boxed{\\textbf{72}}", "72", 1.0),
+    ("\\boxed{\\mathrm{72}}", "72", 1.0),
+    ("\\boxed{1\\,000}", "1000", 1.0),                       # LaTeX's thin space: 1000, not 1
+    ("\\boxed{1\\!000}", "1000", 1.0),
+    ("#### 5\n####", "5", 0.0),                               # the last marker counts, even an empty one
     ("#### -$5", "-5", 1.0),
     ("#### $-5", "-5", 1.0),
     ("#### .5", "0.5", 1.0),
@@ -217,6 +251,7 @@ def test_extract_answer():
     assert extract_answer("#### 1,234,567.25") == 1234567.25
     assert extract_answer("\\boxed{\\text{1{,}000}} apples") == 1000
     assert extract_answer("#### 1,5") is None and extract_answer("\\boxed{72") is None
+    assert extract_answer("#### 1,2345") is None                       # not 1234 (nor 12345)
     assert extract_answer("The answer is 5") is None
     assert extract_answer("") is None
 
@@ -234,8 +269,10 @@ def test_load_jsonl_reads_both_shapes(tmp_path):
         json.dumps({"question": "How many?", "answer": "3 * 360 = 1080\n#### 1,080"}),
         "",  # blank lines are skipped
         json.dumps({"prompt": "2 - 5 =", "answer": "-3", "id": 7}),  # extra keys are ignored
+        json.dumps({"prompt": "5 / 2 =", "answer": "#### 2.50"}),
     ])
-    first, second = load_jsonl(path)
+    first, second, third = load_jsonl(path)
+    assert third == {"prompt": "5 / 2 =", "answer": "2.50"}
     assert first == {"prompt": "How many?\n" + tasks.ANSWER_INSTRUCTION, "answer": "1080"}
     assert second == {"prompt": "2 - 5 =", "answer": "-3"}
 
@@ -253,6 +290,7 @@ GOOD = json.dumps({"question": "q", "answer": "#### 1"})
     ('{"prompt": ["q"], "answer": "1"}', "'prompt' must be a string"),
     ('{"question": "q", "answer": "so it is\\n#### seventy"}', "not a number"),
     ('{"prompt": "q", "answer": ""}', "not a number"),
+    ('{"question": "q", "answer": "#### 72 apples"}', "not a number"),
 ])
 def test_malformed_line_names_file_and_line(tmp_path, bad, reason):
     path = write(tmp_path / "bad.jsonl", [GOOD, GOOD, bad, GOOD])
@@ -317,15 +355,20 @@ def solve_arithmetic(prompt):
 
 def test_arithmetic_answers_match_the_words_of_each_question():
     examples = tasks.make_arithmetic(400, seed=3, top=9, two_step=0.3)
-    kinds = set()
+    kinds = []
     for example in examples:
         expected, kind = solve_arithmetic(example["prompt"])
-        kinds.add(kind)
+        kinds.append(kind)
         solution, answer = example["answer"].split("\n#### ")
         assert int(answer) == expected > 0 and solution.endswith(f" = {expected}")
         assert numeric_reward(example["answer"], answer) == 1.0
         assert all(2 <= int(x) <= 9 for x in re.findall(r"\d+", example["prompt"][len(tasks.SHOTS):]))
-    assert kinds == set(range(len(ARITHMETIC)))                       # every kind of question occurs
+    assert set(kinds) == set(range(len(ARITHMETIC)))                  # every kind of question occurs
+    # two steps: drawn 30 % of the time, kept unless the answer is <= 0 (numbers 2..9, counted by enumeration)
+    r = range(2, 10)
+    one = (2 + sum(a > b for a in r for b in r) / 64) / 3             # a + b, a * b always; a - b if positive
+    two = (1 + sum(a + b > c for a in r for b in r for c in r) / 512) / 2
+    assert abs(sum(k >= 3 for k in kinds) / 400 - 0.3 * two / (0.3 * two + 0.7 * one)) < 0.06   # 0.355 vs 0.333
     assert {solve_arithmetic(e["prompt"])[1] for e in tasks.make_arithmetic(100, seed=3)} == {0, 1, 2}  # one step
 
 
