@@ -1,4 +1,5 @@
 """train.py end to end on a small warm-started toy model: metrics, checkpoints, resume, learning, errors."""
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -57,8 +58,8 @@ def test_a_run_writes_every_metric_and_a_loadable_checkpoint(tmp_path, warm):
     assert set(final) == {"step", "dense", "sparse", "dense_reward", "sparse_reward"}
 
 
-@pytest.mark.parametrize("online", [[], ["--controller", "0.99", "--bin-size", "4"], ["--distill", "ppo-kl"]],
-                         ids=["budget", "controller", "distill"])
+@pytest.mark.parametrize("online", [[], ["--controller", "0.99", "--bin-size", "4"], ["--distill", "ppo-kl"],
+                                    ["--kl", "0.05"]], ids=["budget", "controller", "distill", "kl"])
 def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path, warm, online):
     _, _, straight = run_in(tmp_path / "straight", warm, "--steps", "4", "--save-every", "2", "--eval-every", "2",
                             *online)
@@ -117,6 +118,9 @@ def test_dense_grpo_raises_the_reward(tmp_path, warm):
     (["--band", "1.5", "0.5"], "need 0 <= low < high for the rho band, got low=1.5, high=0.5"),
     (["--lr", "-1"], "--lr must be > 0, got -1.0"),
     (["--veto", "-1"], "--veto must be >= 0, got -1.0"),
+    (["--kl", "-1"], "--kl must be >= 0, got -1.0"),
+    (["--lr", "0"], "--lr must be > 0, got 0.0"),
+    (["--threads", "0"], "--threads must be >= 1"),
     (["--clip", "0"], "--clip must be > 0, got 0.0"),
     (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
     (["--minibatch", "0"], "--minibatch must be >= 1"),
@@ -148,6 +152,8 @@ def test_smollm2_gets_cpu_sized_defaults_that_flags_override():
     other = train.parse_args(["--model", "smollm2-135m", "--data", "gsm8k.jsonl"])      # none of arithmetic's settings
     assert (other.data, other.eval_data, other.max_new_tokens, other.temperature) == ("gsm8k.jsonl", None, 256, 1.0)
     assert train.parse_args(["--model", "org/name"]).budget == 512          # any other model: the paper's
+    gpu = train.parse_args(["--model", "smollm2-135m", "--device", "cuda"])   # the one-GPU preset (cli.GPU)
+    assert (gpu.prompts, gpu.group_size, gpu.max_new_tokens, gpu.eval_size, gpu.dtype) == (16, 8, 256, 64, "bfloat16")
 
 
 def test_malformed_data_file_names_file_and_line(tmp_path):
@@ -279,6 +285,9 @@ def test_resume_survives_a_half_written_line_and_reads_state_with_weights_only(t
                          "--lr", "3e-5")
     assert [l["step"] for l in lines] == [1, 2, 3]
     assert lines[1]["lr"] == 1e-5 and lines[2]["lr"] == 3e-5          # the --lr given on resume holds
+    run_in(tmp_path, warm, "--steps", "1", "--eval-every", "1")        # fresh in the same folder: no old line kept,
+    evals = [json.loads(l)["step"] for l in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert evals == [0, 1] and sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000001"]   # the end once
 
 
 def test_save_atomically_replaces_an_existing_folder(tmp_path):
@@ -410,3 +419,146 @@ def test_captured_training_equals_eager_training(tmp_path, warm):
     for eager, captured in zip(*lines):
         for key in ("reward", "loss", "rho_mean", "alpha_p05", "dropped_tokens", "peak_kv_bytes"):
             assert captured[key] == pytest.approx(eager[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("correction", ["sparse-rl", "tis", "none"])
+def test_rl_step_gives_the_loss_what_the_flags_say_against_a_plain_recomputation(warm, monkeypatch, correction):
+    """One rl_step with PODS (keep 2 of 4 per prompt), temperature 0.8, clip 0.3, KL 0.05 to another model,
+    token-mean, micro-batches of 3 and a band, veto and cap of their own, against a plain recomputation:
+    row i answers prompt i // 4; the pairs kept have the largest variance (brute force) and their advantages
+    are +-|a - b| / 2 / (|a - b| / sqrt 2 + 1e-4); rho = pi_old / pi_sparse from one plain forward pass per
+    row; rejection, weights and the loss at r = 1 (L_t = -w_t A + 0.05 k3_t over the sampled tokens) by hand.
+    16 rows sampled [16, T], 8 trained on, in 3 micro-batches."""
+    from itertools import combinations
+    from reference import full_forward_logprobs
+
+    calls, sampled, norms = [], [], []
+    real_loss, real_generate, real_clip = train.C.policy_loss, train.generate, torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(train.C, "policy_loss", lambda *a, **k: calls.append((a, k)) or real_loss(*a, **k))
+    monkeypatch.setattr(train, "generate", lambda *a, **k: sampled.append(real_generate(*a, **k)) or sampled[-1])
+
+    def clip_spy(params, max_norm, *a, **k):
+        params = list(params)
+        out = real_clip(params, max_norm, *a, **k)
+        norms.append((float(out), float(torch.cat([p.grad.flatten() for p in params]).norm())))
+        return out
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_spy)
+    args = train.parse_args(SMALL + ["--keep", "2", "--temperature", "0.8", "--clip", "0.3", "--kl", "0.05",
+                                     "--agg", "token-mean", "--micro-batch", "3", "--band", "0.7", "1.3",
+                                     "--veto", "0.01", "--cap", "1.2", "--correction", correction])
+    model, tokenizer = models.load_pretrained(str(warm))
+    pi_old, ref = copy.deepcopy(model), models.toy_model(tokenizer)   # ref: random weights, another policy
+    examples = make_examples("sort", 4, 5, *args.digits)
+    credit = lambda text, answer: sum(a == b for a, b in zip(text, answer)) / len(answer)   # partial credit
+    metrics = train.rl_step(model, ref, torch.optim.AdamW(model.parameters(), lr=1e-5), tokenizer, examples,
+                            credit, train.sparse_config(args), args, 3)
+    rollouts, T = sampled[0], 0.8
+    lengths = rollouts.mask.sum(-1).long().tolist()
+    rewards, old, logp_ref = [], torch.zeros_like(rollouts.logprobs), torch.zeros_like(rollouts.logprobs)
+    for i, n in enumerate(lengths):                                    # consecutive groups of 4
+        assert rollouts.prompts[i] == encode_prompt(tokenizer, examples[i // 4]["prompt"])
+        response = rollouts.tokens[i, :n].tolist()
+        rewards.append(credit(tokenizer.decode(response, skip_special_tokens=True), examples[i // 4]["answer"]))
+        old[i, :n] = full_forward_logprobs(pi_old, rollouts.prompts[i], response, T)
+        logp_ref[i, :n] = full_forward_logprobs(ref, rollouts.prompts[i], response, T)
+    assert metrics["reward"] == pytest.approx(sum(rewards) / 16)
+    assert metrics["accuracy"] == sum(r == 1 for r in rewards) / 16 < metrics["reward"]
+    # the rows each micro-batch trained on, found by their pi_old; 8 in all, 2 of each group of 4
+    rows = [i for a, _ in calls for j in range(len(a[1]))
+            for i in [next(i for i in range(16) if torch.allclose(a[1][j], old[i], atol=1e-4))]]
+    assert [len(a[1]) for a, _ in calls] == [3, 3, 2] and sorted(i // 4 for i in rows) == [0, 0, 1, 1, 2, 2, 3, 3]
+    adv = {}
+    for g in range(4):
+        a, b = [rewards[i] for i in rows if i // 4 == g]
+        assert (a - b) ** 2 == pytest.approx(max((rewards[i] - rewards[j]) ** 2
+                                                 for i, j in combinations(range(4 * g, 4 * g + 4), 2)))
+        for i in (i for i in rows if i // 4 == g):
+            adv[i] = 0.0 if a == b else (rewards[i] - (a + b) / 2) / (abs(a - b) / 2 ** 0.5 + 1e-4)
+    assert any(adv.values())
+    real = rollouts.mask[rows] > 0
+    rho = torch.exp(old[rows] - rollouts.logprobs[rows])
+    kept = real.clone()
+    if correction == "sparse-rl":
+        vetoed = ((rho < 0.01) & real).any(-1)
+        kept = real & (rho >= 0.7) & (rho <= 1.3) & ~vetoed[:, None]
+        assert 0 < kept.sum() < real.sum()
+    weights = torch.ones_like(rho) if correction == "none" else rho.clamp(max=1.2) * real
+    weights = weights / (weights * real).sum() * real.sum()          # mean 1 over the 8 rows' sampled tokens
+    A = torch.tensor([adv[i] for i in rows])[:, None]
+    k3 = torch.exp(logp_ref[rows] - old[rows]) - 1 - (logp_ref[rows] - old[rows])
+    loss = ((-weights * A + 0.05 * k3) * kept).sum() / real.sum()    # token-mean; r = 1 on the first update
+    at = 0
+    for (logp, logp_old, advantages, mask, w, clip), kwargs in calls:
+        n = len(logp)
+        assert clip == 0.3 and kwargs["kl_coef"] == 0.05 and kwargs["agg"] == "token-mean"
+        assert torch.allclose(logp * real[at:at + n], old[rows[at:at + n]], atol=1e-4)    # pi_theta = pi_old
+        assert torch.allclose(advantages, A[at:at + n, 0].to(advantages.dtype), atol=1e-5)
+        assert torch.equal(mask > 0, kept[at:at + n]) and torch.equal(kwargs["response_mask"] > 0, real[at:at + n])
+        assert torch.allclose(w * real[at:at + n], weights[at:at + n] * real[at:at + n], atol=1e-4)
+        assert torch.allclose(kwargs["logp_ref"], logp_ref[rows[at:at + n]], atol=1e-4)
+        at += n
+    assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-6)
+    assert metrics["mean_weight"] == pytest.approx(((weights * kept).sum() / kept.sum()).item(), rel=1e-4)
+    (before, after), = norms                                          # one AdamW step, its gradient clipped to 1
+    assert before > 1 and after == pytest.approx(1.0, rel=1e-4)
+
+
+def test_restore_puts_back_every_piece_of_trainer_state(tmp_path):
+    """train.restore on a hand-made checkpoint: the AdamW moments of the model and of the adapter, each at the
+    command line's lr (the adapter's times --lora-lr-scale), the global RNG, the adapter's weights and the
+    controller's budgets, all equal to what was saved."""
+    import distill
+    tok = char_tokenizer()
+
+    def made(seed, lr):                                              # toy model + adapter after one AdamW step each
+        torch.manual_seed(seed)
+        model = models.toy_model(tok)
+        lora = distill.LoRA(model, 2)
+        opts = torch.optim.AdamW(model.parameters(), lr=lr), torch.optim.AdamW(lora.parameters(), lr=lr)
+        with torch.no_grad():
+            for p in lora.parameters():
+                p.normal_()
+        for opt, params in zip(opts, (model.parameters(), lora.parameters())):
+            sum((p ** 2).sum() for p in params).backward()
+            opt.step()
+        return model, lora, *opts
+
+    model, lora, opt, lora_opt = made(0, 0.1)
+    lora.save(tmp_path / "adapter.safetensors")
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    args = train.parse_args(["--lr", "3e-5", "--lora-lr-scale", "4", "--controller", "0.86", "--bin-size", "16",
+                             "--max-new-tokens", "12", "--budget", "12"])
+    controller = train.sparse_config(args, longest_prompt=20).schedule           # bins 0, 16: 20 + 12 tokens
+    budgets = [8, 11]
+    state = dict(step=2, optimizer=opt.state_dict(), torch_rng=rng, budgets=budgets,
+                 lora_optimizer=lora_opt.state_dict())
+    _, lora2, opt2, lora_opt2 = made(1, 0.5)
+    torch.manual_seed(0)
+    train.restore(state, tmp_path, args, opt2, lora2, lora_opt2, controller)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert list(controller.budgets) == budgets
+    assert [g["lr"] for g in opt2.param_groups] == [3e-5] and [g["lr"] for g in lora_opt2.param_groups] == [1.2e-4]
+    for saved, loaded in ((opt, opt2), (lora_opt, lora_opt2)):
+        for p, q in zip(saved.param_groups[0]["params"], loaded.param_groups[0]["params"]):
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(saved.state[p][key], loaded.state[q][key])
+    assert all(torch.equal(p, q) for p, q in zip(lora.parameters(), lora2.parameters()))
+
+
+def test_a_data_file_is_split_into_disjoint_training_and_held_out_examples(tmp_path):
+    """With no --eval-data the last --eval-size examples are held out and never trained on (12 lines: 9 + 3)."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join('{"question": "1+%d?", "answer": "#### %d"}\n' % (i, i + 1) for i in range(12)))
+    args = train.parse_args(["--model", "m", "--data", str(data), "--eval-size", "3", "--prompts", "2"])
+    training, held_out = train.load_data(args)
+    assert [e["answer"] for e in held_out] == ["10", "11", "12"] and len(training) == 9
+    assert not {e["prompt"] for e in training} & {e["prompt"] for e in held_out}
+
+
+def test_defaults_are_the_official_sparse_rl_settings():
+    """METHOD.md section 5: veto 1e-4, band [0.5, 1.5], cap 1.5, clip 0.2, no KL unless asked; all n rollouts kept."""
+    args = train.parse_args([])
+    assert (args.veto, args.band, args.cap, args.clip, args.kl, args.correction) == (1e-4, [0.5, 1.5], 1.5, 0.2, 0.0,
+                                                                                     "sparse-rl")
+    assert (args.keep, args.no_std, args.agg) == (args.group_size, False, "seq-mean")
