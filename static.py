@@ -38,11 +38,14 @@ Speed, side by side in one run (random Llama weights, greedy, each pair interlea
     OMP_NUM_THREADS=1 python static.py                      # bench.py's model shape, on the CPU
     python static.py --device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 1536 --hf
     python static.py --device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 64 --rounds 1 --profile 64
+    python static.py --shape layers28 --batch 4 --prompt 64 --budget 32 --interval 16 --count-ops \
+        --policies full,streaming,snapkv,rkv,h2o,blocktopk                 # kernel launches a step, on the CPU
 """
 import argparse
 import statistics
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvcache import DENSE, KVCache, attention
 from policies import top_pages
@@ -206,6 +209,8 @@ def capture(step, cache):
 SHAPES = {  # layers, hidden, heads, kv heads, ffn, vocab
     "bench": dict(num_hidden_layers=8, hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
                   intermediate_size=1536, vocab_size=8192),
+    "layers28": dict(num_hidden_layers=28, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=128, vocab_size=512),   # 1.7B's depth at toy width: the ops of its step
     "qwen3-1.7b": dict(num_hidden_layers=28, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8,
                        intermediate_size=6144, vocab_size=151936, head_dim=128),
 }
@@ -229,6 +234,32 @@ def profile(model, prompts, sparse, steps):
         print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=12))
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched under it, views aside: on a GPU each is a kernel launch (or a copy), which is what
+    bounds an eager step there. Under a CUDA graph a replay dispatches none; on the CPU the static step runs as it
+    is, so its count is what the graph holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(model, prompts, sparse, captured):
+    """Ops a decode step dispatches in the steady state: the count of a rollout `interval` steps longer, less the
+    shorter one's, over `interval` (so one compression is spread over its interval, as in a long rollout)."""
+    from sampler import generate
+    counts = []
+    for steps in (2 * sparse.interval, 3 * sparse.interval):
+        with OpCounter() as counter:
+            generate(model, prompts, sparse, max_new_tokens=steps, temperature=0, captured=captured)
+        counts.append(counter.count)
+    return (counts[1] - counts[0]) / sparse.interval
+
+
 def main(argv=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -248,14 +279,26 @@ def main(argv=None):
     p.add_argument("--hf", action="store_true", help="also time Hugging Face generate (dense, greedy)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="then profile a STEPS-token rollout per policy, eager and captured (torch.profiler)")
+    p.add_argument("--count-ops", action="store_true",
+                   help="only count the ops (kernel launches on a GPU) of a decode step per policy, eager and static")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     torch.manual_seed(0)
-    config = LlamaConfig(max_position_embeddings=args.prompt + args.new + 1, **SHAPES[args.shape])
+    longest = args.prompt + max(args.new, 3 * args.interval)     # --count-ops runs 3 intervals
+    config = LlamaConfig(max_position_embeddings=longest + 1, **SHAPES[args.shape])
     model = LlamaForCausalLM(config).to(device, dtype).eval()
     ids = torch.randint(1, config.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(1))
     prompts = ids.tolist()
+    if args.count_ops:
+        print(f"{args.shape}, {dtype}, {device}, batch {args.batch}, prompt {args.prompt}, budget {args.budget}, "
+              f"interval {args.interval}; ops a decode step, views aside")
+        for policy in args.policies.split(","):
+            sparse = SparseConfig(policy, budget=args.budget, interval=args.interval)
+            eager, static = (ops_per_step(model, prompts, sparse, captured) for captured in (False, True))
+            print(f"{policy:>10}: {eager:7.1f} ops a decode step eager, {static:7.1f} static (a compression spread "
+                  f"over its {args.interval} steps)")
+        return
     print(f"{args.shape}, {dtype}, {device}, batch {args.batch}, prompt {args.prompt} + {args.new} new, "
           f"budget {args.budget}, interval {args.interval}, {torch.get_num_threads()} threads; tokens/s, median of {args.rounds}")
     if args.hf:

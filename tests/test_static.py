@@ -10,7 +10,7 @@ import sampler
 from kvcache import SparseConfig
 from reference import HostReads, hf_greedy, masked_dense_logprobs, tiny_model
 from sampler import generate, sample_token
-from static import StaticCache
+from static import OpCounter, StaticCache, ops_per_step
 
 PROMPTS = [[5, 9, 3, 7, 1, 12, 33, 8, 2], [4, 17, 6], [21, 22, 23, 24, 25, 26]]   # ragged: left-padded
 CONFIGS = [SparseConfig("full"), *(SparseConfig(p, budget=8, interval=3, window=2, sink=2, kernel=3)
@@ -185,3 +185,30 @@ def test_the_static_step_never_reads_the_device_on_the_host(monkeypatch, arch, s
     generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=1.0, top_p=0.9, seed=3, record=record,
              captured=True)
     assert reads.calls >= 10 and reads.seen == []
+
+
+def test_the_op_counter_counts_launches_not_views():
+    x = torch.randn(4, 4)
+    with OpCounter() as counter:
+        y = x + 1                                  # add
+        y.view(16), y.t(), y[1:], y.unsqueeze(0)  # views: no kernel
+        y.mul_(2), y.sum()                         # mul_, sum
+    assert counter.count == 3
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "static"])
+def test_ops_per_step_is_what_each_steady_decode_step_dispatches(monkeypatch, captured):
+    """A full cache never compresses: every decode step dispatches the same ops, counted here between the
+    cache's announcements of consecutive steps, against `ops_per_step`'s difference of two rollouts."""
+    model, sparse = tiny_model(), SparseConfig("full", interval=4)
+    marks, start_step = [], StaticCache.start_step if captured else sampler.KVCache.start_step
+
+    def marked(cache, positions):
+        marks.append(counter.count)
+        start_step(cache, positions)
+    monkeypatch.setattr(StaticCache if captured else sampler.KVCache, "start_step", marked)
+    with OpCounter() as counter:
+        generate(model, PROMPTS, sparse, max_new_tokens=12, temperature=0, captured=captured)
+    steps = [b - a for a, b in zip(marks[2:-1], marks[3:])]        # past the prefill and the first steps
+    assert len(set(steps)) == 1
+    assert ops_per_step(model, PROMPTS, sparse, captured) == steps[0]
