@@ -257,7 +257,7 @@ def attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=N
         else:         # padding queries (position -1) give nothing
             received = received + (w * (query_pos[:, part] >= 0)[:, None, :, None]).sum(2)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)    # a decode step is one chunk: no copy
-    return out.view(B, H, q, D), received
+    return out.reshape(B, H, q, D), received    # reshape: a matmul's output need not be contiguous on every device
 
 
 class KVCache(Cache):
