@@ -7,7 +7,7 @@ from torch._dynamo.testing import CompileCounter
 
 import distill
 import sampler
-from kvcache import SparseConfig
+from kvcache import KVCache, SparseConfig
 from reference import HostReads, hf_greedy, masked_dense_logprobs, tiny_model
 from sampler import generate, sample_token
 from static import OpCounter, StaticCache, ops_per_step
@@ -201,12 +201,12 @@ def test_ops_per_step_is_what_each_steady_decode_step_dispatches(monkeypatch, ca
     """A full cache never compresses: every decode step dispatches the same ops, counted here between the
     cache's announcements of consecutive steps, against `ops_per_step`'s difference of two rollouts."""
     model, sparse = tiny_model(), SparseConfig("full", interval=4)
-    marks, start_step = [], StaticCache.start_step if captured else sampler.KVCache.start_step
+    marks, start_step = [], StaticCache.start_step if captured else KVCache.start_step
 
     def marked(cache, positions):
         marks.append(counter.count)
         start_step(cache, positions)
-    monkeypatch.setattr(StaticCache if captured else sampler.KVCache, "start_step", marked)
+    monkeypatch.setattr(StaticCache if captured else KVCache, "start_step", marked)
     with OpCounter() as counter:
         generate(model, PROMPTS, sparse, max_new_tokens=12, temperature=0, captured=captured)
     steps = [b - a for a, b in zip(marks[2:-1], marks[3:])]        # past the prefill and the first steps
