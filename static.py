@@ -40,6 +40,8 @@ Speed, side by side in one run (random Llama weights, greedy, each pair interlea
     python static.py --device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 64 --rounds 1 --profile 64
     python static.py --shape layers28 --batch 4 --prompt 64 --budget 32 --interval 16 --count-ops \
         --policies full,streaming,snapkv,rkv,h2o,blocktopk                 # kernel launches a step, on the CPU
+    python static.py --device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 640 --budget 512 \
+        --rounds 2 --policies full,streaming,snapkv,rkv,h2o --step-times    # each eager step timed on its own
 """
 import argparse
 import statistics
@@ -47,7 +49,7 @@ import statistics
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvcache import DENSE, KVCache, attention
+from kvcache import DENSE, KVCache, SparseConfig, attention
 from policies import top_pages
 
 # A step reads the held slots rounded up to a multiple of SPAN (or the whole buffer, if shorter): at 512 + 1536,
@@ -260,10 +262,58 @@ def ops_per_step(model, prompts, sparse, captured):
     return (counts[1] - counts[0]) / sparse.interval
 
 
+def step_times(model, prompts, sparse, steps):
+    """Every eager decode step of a greedy `steps`-token rollout, timed on its own: -> (seconds [steps - 1],
+    compressing [steps - 1] bools). A step runs from the cache's announcement of it (`start_step`) to the next
+    one's, or to the rollout's end, on a synchronised clock. On a GPU each mark drains the queue, which a
+    launch-bound eager step keeps short: the marks cost about a sync (~20 us) a step, not the step's overlap."""
+    from sampler import clock, generate
+    marks, start_step = [], KVCache.start_step
+
+    def marked(cache, positions):
+        now = clock(model.device)
+        start_step(cache, positions)
+        marks.append((now, cache.decoding, cache.compressing))
+    KVCache.start_step = marked
+    try:
+        generate(model, prompts, sparse, max_new_tokens=steps, temperature=0)
+    finally:
+        KVCache.start_step = start_step
+    ends = [t for t, _, _ in marks[1:]] + [clock(model.device)]
+    timed = [(end - t, compressing) for (t, decoding, compressing), end in zip(marks, ends) if decoding]
+    return [seconds for seconds, _ in timed], [compressing for _, compressing in timed]
+
+
+def print_step_times(model, prompts, args):
+    """`--step-times`: each policy's eager rollouts, the policies taking turns round after round (so that no policy
+    always runs first or last), every decode step timed (`step_times`); per policy the median steady step, the
+    compressing steps and the mean step, and each against the first policy's."""
+    policies = args.policies.split(",")
+    print(f"{args.shape}, {model.dtype}, {model.device}, batch {args.batch}, prompt {args.prompt} + {args.new} new, "
+          f"budget {args.budget}, interval {args.interval}; eager decode steps in ms, {args.rounds} rounds interleaved")
+    seconds, compressing = {p: [] for p in policies}, {p: [] for p in policies}
+    sparse = {p: SparseConfig(p, budget=args.budget, interval=args.interval) for p in policies}
+    for p in policies:                                                  # warm-up
+        step_times(model, prompts, sparse[p], 8)
+    for _ in range(args.rounds):
+        for p in policies:
+            s, c = step_times(model, prompts, sparse[p], args.new)
+            seconds[p] += s
+            compressing[p] += c
+    ms = lambda values: 1e3 * statistics.median(values) if values else float("nan")
+    first = policies[0]
+    steady = {p: ms([s for s, c in zip(seconds[p], compressing[p]) if not c]) for p in policies}
+    mean = {p: 1e3 * statistics.fmean(seconds[p]) for p in policies}
+    for p in policies:
+        compressions = [s for s, c in zip(seconds[p], compressing[p]) if c]
+        print(f"{p:>10}: steady step {steady[p]:6.2f} ({steady[p] / steady[first]:.2f}x {first}'s), "
+              f"{len(compressions)} compressing steps of {ms(compressions):7.2f}, mean step {mean[p]:6.2f} "
+              f"({mean[p] / mean[first]:.2f}x {first}'s)")
+
+
 def main(argv=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvcache import SparseConfig
     from sampler import clock, generate
     p = argparse.ArgumentParser(description="tokens/s of the eager and the static decode path, side by side")
     p.add_argument("--device", default="cpu")
@@ -281,6 +331,9 @@ def main(argv=None):
                    help="then profile a STEPS-token rollout per policy, eager and captured (torch.profiler)")
     p.add_argument("--count-ops", action="store_true",
                    help="only count the ops (kernel launches on a GPU) of a decode step per policy, eager and static")
+    p.add_argument("--step-times", action="store_true",
+                   help="only time every eager decode step (synchronised), policies interleaved for --rounds rounds: "
+                        "the steady step and the compressing steps per policy")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
@@ -298,6 +351,9 @@ def main(argv=None):
             eager, static = (ops_per_step(model, prompts, sparse, captured) for captured in (False, True))
             print(f"{policy:>10}: {eager:7.1f} ops a decode step eager, {static:7.1f} static (a compression spread "
                   f"over its {args.interval} steps)")
+        return
+    if args.step_times:
+        print_step_times(model, prompts, args)
         return
     print(f"{args.shape}, {dtype}, {device}, batch {args.batch}, prompt {args.prompt} + {args.new} new, "
           f"budget {args.budget}, interval {args.interval}, {torch.get_num_threads()} threads; tokens/s, median of {args.rounds}")

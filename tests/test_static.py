@@ -1,16 +1,19 @@
 """The static-shape decode step (static.py) against today's eager path, Hugging Face, a masked dense pass
 and torch.multinomial; and proof that the step traces whole (torch.compile, fullgraph) and, run as it is,
 never reads a device value on the host (what a CUDA graph cannot capture)."""
+import time
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
 import distill
+import kvcache
 import sampler
 from kvcache import KVCache, SparseConfig
 from reference import HostReads, hf_greedy, masked_dense_logprobs, tiny_model
 from sampler import generate, sample_token
-from static import OpCounter, StaticCache, ops_per_step
+from static import OpCounter, StaticCache, ops_per_step, step_times
 
 PROMPTS = [[5, 9, 3, 7, 1, 12, 33, 8, 2], [4, 17, 6], [21, 22, 23, 24, 25, 26]]   # ragged: left-padded
 CONFIGS = [SparseConfig("full"), *(SparseConfig(p, budget=8, interval=3, window=2, sink=2, kernel=3)
@@ -212,3 +215,20 @@ def test_ops_per_step_is_what_each_steady_decode_step_dispatches(monkeypatch, ca
     steps = [b - a for a, b in zip(marks[2:-1], marks[3:])]        # past the prefill and the first steps
     assert len(set(steps)) == 1
     assert ops_per_step(model, PROMPTS, sparse, captured) == steps[0]
+
+
+def test_step_times_gives_each_decode_step_its_own_time_and_marks_its_compressions(monkeypatch):
+    """Prompts of 6, budget 4, interval 2: the first decode step holds 7 tokens (3 over: compress to 4), the next
+    5, then 6 (2 over: compress), ...: by hand, decode steps 0, 2, 4 and 6 of 8 compress. A compression slowed by
+    60 ms a layer must show in exactly those steps' times (an off-by-one would put it on their neighbours)."""
+    compress = kvcache.compress
+
+    def slow(*args):
+        time.sleep(0.06)
+        compress(*args)
+    monkeypatch.setattr(kvcache, "compress", slow)
+    model, sparse = tiny_model(), SparseConfig("snapkv", budget=4, interval=2, window=2, sink=1, kernel=3)
+    seconds, compressing = step_times(model, [[5, 9, 3, 7, 1, 12], [4, 17, 6, 8, 2, 11]], sparse, 9)
+    assert compressing == [True, False] * 4
+    assert min(s for s, c in zip(seconds, compressing) if c) > 0.12      # 2 layers x 60 ms
+    assert max(s for s, c in zip(seconds, compressing) if not c) < 0.12
