@@ -186,8 +186,8 @@ def test_the_first_and_last_token_ids_are_accepted():
     assert torch.equal(out.tokens, hf_greedy(model, prompts, 4))
 
 
-@pytest.mark.parametrize("sparse", [SparseConfig("full"), SparseConfig("h2o", budget=8, interval=3, window=2),
-                                    SparseConfig("snapkv", budget=8, interval=3, window=2, kernel=3),
+@pytest.mark.parametrize("sparse", [SparseConfig("full"), *(SparseConfig(p, budget=8, interval=3, window=2, sink=2, kernel=3)
+                                                               for p in ("streaming", "h2o", "snapkv", "rkv", "random")),
                                     SparseConfig("blocktopk", budget=4, page_size=4, dense_layers=1)],
                          ids=lambda s: s.policy)
 @pytest.mark.parametrize("record", [False, True])
