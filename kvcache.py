@@ -256,7 +256,8 @@ def attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=N
             received = w.reshape(B, H, -1)
         else:         # padding queries (position -1) give nothing
             received = received + (w * (query_pos[:, part] >= 0)[:, None, :, None]).sum(2)
-    return torch.cat(outs, 2).view(B, H, q, D), received
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)    # a decode step is one chunk: no copy
+    return out.reshape(B, H, q, D), received    # reshape: a matmul's output need not be contiguous on every device
 
 
 class KVCache(Cache):
@@ -358,7 +359,7 @@ class KVCache(Cache):
         out, received = attention(query, keys, values, key_pos, self.step_pos, scaling, sliding_window,
                                   masked=masked, weights=sparse.policy == "h2o")
         if received is not None:  # H2O: what each key received, the mean over its group of query heads
-            layer.acc_buf[:, :, : layer.size] += received.unflatten(1, (keys.shape[1], -1)).mean(2)
+            layer.acc_buf[:, :, : layer.size].add_(received.unflatten(1, (keys.shape[1], -1)).mean(2))
         if self.history is not None:
             self.history[layer_idx].append(key_pos.clone())
         return out

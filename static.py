@@ -145,7 +145,7 @@ class StaticCache(KVCache):
         out, received = attention(query, keys, values, key_pos, self.now, scaling, sliding_window,
                                   weights=sparse.policy == "h2o")
         if received is not None:  # H2O: what each key received, the mean over its group of query heads
-            layer.acc_buf[:, :, span] += received.unflatten(1, (keys.shape[1], -1)).mean(2)
+            layer.acc_buf[:, :, span].add_(received.unflatten(1, (keys.shape[1], -1)).mean(2))  # in place: no copy back
         if self.history is not None:   # a span (or, blocktopk, its pages) may be shorter than `seen`
             seen = self.seen[layer_idx]
             seen[..., :key_pos.shape[-1]].copy_(key_pos)

@@ -16,17 +16,23 @@ from sampler import generate
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "nested" / "bench.json"      # the folder does not exist yet
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench") / "nested" / "bench.json"      # the folder does not exist yet
+
+
+@pytest.fixture(scope="module")
+def quick(out):
     record = bench.main(["--quick", "--out", str(out)])
     return record, json.loads(out.read_text())
 
 
-def test_the_json_file_holds_the_record(quick):
+def test_the_json_file_holds_the_record_and_the_tables_lie_beside_it(quick, out):
     record, saved = quick
     assert saved["throughput"].keys() == record["throughput"].keys()
     assert saved["table"] == record["table"]
     assert saved["settings"]["batch"] == bench.QUICK["batch"]
+    assert out.with_suffix(".md").read_text() == record["table"] + "\n"
+    assert record["table"].startswith("Machine: ") and "### Targets" in record["table"]
 
 
 def test_every_sampler_is_measured(quick):
