@@ -11,9 +11,10 @@ import os
 import pytest
 import torch
 
+import sampler
 import train
 from correction import dense_logprobs
-from kvcache import SparseConfig
+from kvcache import KVCache, SparseConfig
 from reference import full_forward_logprobs, hf_greedy, masked_dense_logprobs, tiny_model
 from sampler import generate
 
@@ -64,6 +65,34 @@ def test_every_policy_runs_in_bf16_within_its_budget(policy, captured):
         assert out.stats["peak_kv_tokens"] <= sparse.budget + sparse.interval
         kept = torch.stack([(step >= 0).sum(-1) for step in out.stats["cache"].history[0][1:]])
         assert kept.max() <= sparse.budget + sparse.interval
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA's own sync detector (the CPU has test_sampler's HostReads)")
+@pytest.mark.parametrize("record", [False, True])
+@pytest.mark.parametrize("policy", ["full"] + EVICTING + ["blocktopk"])
+def test_no_eager_decode_step_synchronises_cuda(monkeypatch, policy, record):
+    # test_sampler's HostReads imitates this on the CPU, where it cannot tell the cache's host bookkeeping from
+    # device work; here CUDA itself raises at any wait for the device in a decode step, start_step's copy of a
+    # compression's plan to the device included (a blocking copy would wait)
+    calls = []
+
+    def strict(fn, when=lambda *args: True):
+        def run(*args, **kwargs):
+            if not when(*args):
+                return fn(*args, **kwargs)
+            calls.append(fn.__name__)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return run
+    monkeypatch.setattr(sampler, "decode", strict(sampler.decode))
+    monkeypatch.setattr(KVCache, "start_step", strict(KVCache.start_step, when=lambda cache, pos: bool(cache.layers)))
+    out = generate(tiny_model("llama").to(DEVICE), PROMPTS, sparse_config(policy), max_new_tokens=30,
+                   temperature=1.0, top_p=0.9, record=record)
+    assert calls == ["start_step", "decode"] * 29
+    assert out.stats["compressions"] > 0 or policy in ("full", "blocktopk")
 
 
 @pytest.mark.parametrize("policy", ["full"] + EVICTING + ["blocktopk"])
