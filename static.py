@@ -44,7 +44,9 @@ Speed, side by side in one run (random Llama weights, greedy, each pair interlea
         --rounds 2 --policies full,streaming,snapkv,rkv,h2o --step-times    # each eager step timed on its own
 """
 import argparse
+import gc
 import statistics
+import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -284,31 +286,65 @@ def step_times(model, prompts, sparse, steps):
     return [seconds for seconds, _ in timed], [compressing for _, compressing in timed]
 
 
+def split_mean(seconds, compressing):
+    """The mean step, in three parts: -> (the median steady step, the compressing steps' excess over it and the
+    other steps' excess over it, each spread over all steps). They sum to the mean; a large third part is a
+    spread of the steady steps (outliers: pauses), not work that every step or every compression does."""
+    steady = statistics.median(s for s, c in zip(seconds, compressing) if not c)
+    excess = lambda which: sum(s - steady for s, c in zip(seconds, compressing) if c == which) / len(seconds)
+    return steady, excess(True), excess(False)
+
+
+class GCClock:
+    """While active: the seconds Python's garbage collector ran and its full (generation 2) collections. In an
+    eager step bound by the host, a pause of the host is a pause of the GPU's queue."""
+
+    def __enter__(self):
+        self.seconds, self.full, self.started = 0.0, 0, 0.0
+        gc.callbacks.append(self.tick)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self.tick)
+
+    def tick(self, phase, info):
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self.started
+            self.full += info["generation"] == 2
+
+
 def print_step_times(model, prompts, args):
     """`--step-times`: each policy's eager rollouts, the policies taking turns round after round (so that no policy
     always runs first or last), every decode step timed (`step_times`); per policy the median steady step, the
-    compressing steps and the mean step, and each against the first policy's."""
+    compressing steps, the mean step split as `split_mean` does, and the garbage collector's share."""
     policies = args.policies.split(",")
     print(f"{args.shape}, {model.dtype}, {model.device}, batch {args.batch}, prompt {args.prompt} + {args.new} new, "
           f"budget {args.budget}, interval {args.interval}; eager decode steps in ms, {args.rounds} rounds interleaved")
     seconds, compressing = {p: [] for p in policies}, {p: [] for p in policies}
+    collector = {p: [0.0, 0] for p in policies}                         # GC seconds, full collections
     sparse = {p: SparseConfig(p, budget=args.budget, interval=args.interval) for p in policies}
     for p in policies:                                                  # warm-up
         step_times(model, prompts, sparse[p], 8)
     for _ in range(args.rounds):
         for p in policies:
-            s, c = step_times(model, prompts, sparse[p], args.new)
+            with GCClock() as clock:
+                s, c = step_times(model, prompts, sparse[p], args.new)
             seconds[p] += s
             compressing[p] += c
-    ms = lambda values: 1e3 * statistics.median(values) if values else float("nan")
+            collector[p] = [collector[p][0] + clock.seconds, collector[p][1] + clock.full]
     first = policies[0]
-    steady = {p: ms([s for s, c in zip(seconds[p], compressing[p]) if not c]) for p in policies}
-    mean = {p: 1e3 * statistics.fmean(seconds[p]) for p in policies}
+    parts = {p: [1e3 * x for x in split_mean(seconds[p], compressing[p])] for p in policies}
     for p in policies:
-        compressions = [s for s, c in zip(seconds[p], compressing[p]) if c]
-        print(f"{p:>10}: steady step {steady[p]:6.2f} ({steady[p] / steady[first]:.2f}x {first}'s), "
-              f"{len(compressions)} compressing steps of {ms(compressions):7.2f}, mean step {mean[p]:6.2f} "
-              f"({mean[p] / mean[first]:.2f}x {first}'s)")
+        (steady, compressions, spread), n = parts[p], len(seconds[p])
+        steps = sorted(1e3 * s for s, c in zip(seconds[p], compressing[p]) if not c)
+        mean = steady + compressions + spread
+        print(f"{p:>10}: mean step {mean:6.2f} ({mean / sum(parts[first]):.2f}x {first}'s) = steady median "
+              f"{steady:6.2f} ({steady / parts[first][0]:.2f}x) + {sum(compressing[p])} compressions {compressions:5.2f}"
+              f" + the steady steps' spread {spread:5.2f} (p90 {steps[int(0.9 * len(steps))]:6.2f}, max "
+              f"{steps[-1]:7.2f}); garbage collector {1e3 * collector[p][0] / n:4.2f} a step, "
+              f"{collector[p][1]} full collections")
 
 
 def main(argv=None):

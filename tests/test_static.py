@@ -1,6 +1,7 @@
 """The static-shape decode step (static.py) against today's eager path, Hugging Face, a masked dense pass
 and torch.multinomial; and proof that the step traces whole (torch.compile, fullgraph) and, run as it is,
 never reads a device value on the host (what a CUDA graph cannot capture)."""
+import gc
 import time
 
 import pytest
@@ -13,7 +14,7 @@ import sampler
 from kvcache import KVCache, SparseConfig
 from reference import HostReads, hf_greedy, masked_dense_logprobs, tiny_model
 from sampler import generate, sample_token
-from static import OpCounter, StaticCache, ops_per_step, step_times
+from static import GCClock, OpCounter, StaticCache, ops_per_step, split_mean, step_times
 
 PROMPTS = [[5, 9, 3, 7, 1, 12, 33, 8, 2], [4, 17, 6], [21, 22, 23, 24, 25, 26]]   # ragged: left-padded
 CONFIGS = [SparseConfig("full"), *(SparseConfig(p, budget=8, interval=3, window=2, sink=2, kernel=3)
@@ -215,6 +216,24 @@ def test_ops_per_step_is_what_each_steady_decode_step_dispatches(monkeypatch, ca
     steps = [b - a for a, b in zip(marks[2:-1], marks[3:])]        # past the prefill and the first steps
     assert len(set(steps)) == 1
     assert ops_per_step(model, PROMPTS, sparse, captured) == steps[0]
+
+
+def test_split_mean_parts_the_mean_step_by_hand():
+    # steady steps 10, 12, 11, 30 (median 11.5), compressions 50 and 20: (50 - 11.5 + 20 - 11.5) / 6 = 7.83...,
+    # the steady steps' excess (-1.5 + 0.5 - 0.5 + 18.5) / 6 = 2.83...; 11.5 + 7.83 + 2.83 = 22.17 = the mean
+    seconds, compressing = [10, 50, 12, 11, 20, 30], [False, True, False, False, True, False]
+    steady, compressions, spread = split_mean(seconds, compressing)
+    assert (steady, compressions, spread) == pytest.approx((11.5, 47 / 6, 17 / 6))
+    assert steady + compressions + spread == pytest.approx(sum(seconds) / len(seconds))
+
+
+def test_gc_clock_counts_the_full_collections_under_it_only():
+    gc.collect()
+    with GCClock() as clock:
+        gc.collect()
+        gc.collect(0)
+    gc.collect()
+    assert clock.full == 1 and clock.seconds > 0
 
 
 def test_step_times_gives_each_decode_step_its_own_time_and_marks_its_compressions(monkeypatch):
