@@ -296,11 +296,13 @@ def split_mean(seconds, compressing):
 
 
 class GCClock:
-    """While active: the seconds Python's garbage collector ran and its full (generation 2) collections. In an
-    eager step bound by the host, a pause of the host is a pause of the GPU's queue."""
+    """The seconds Python's garbage collector ran and its full (generation 2) collections while this was active,
+    summed over every `with`. In an eager step bound by the host, a pause of the host is a pause of the GPU's queue."""
+
+    def __init__(self):
+        self.seconds, self.full, self.started = 0.0, 0, 0.0
 
     def __enter__(self):
-        self.seconds, self.full, self.started = 0.0, 0, 0.0
         gc.callbacks.append(self.tick)
         return self
 
@@ -323,28 +325,28 @@ def print_step_times(model, prompts, args):
     print(f"{args.shape}, {model.dtype}, {model.device}, batch {args.batch}, prompt {args.prompt} + {args.new} new, "
           f"budget {args.budget}, interval {args.interval}; eager decode steps in ms, {args.rounds} rounds interleaved")
     seconds, compressing = {p: [] for p in policies}, {p: [] for p in policies}
-    collector = {p: [0.0, 0] for p in policies}                         # GC seconds, full collections
+    collector = {p: GCClock() for p in policies}
     sparse = {p: SparseConfig(p, budget=args.budget, interval=args.interval) for p in policies}
     for p in policies:                                                  # warm-up
         step_times(model, prompts, sparse[p], 8)
     for _ in range(args.rounds):
         for p in policies:
-            with GCClock() as clock:
+            with collector[p]:
                 s, c = step_times(model, prompts, sparse[p], args.new)
             seconds[p] += s
             compressing[p] += c
-            collector[p] = [collector[p][0] + clock.seconds, collector[p][1] + clock.full]
     first = policies[0]
     parts = {p: [1e3 * x for x in split_mean(seconds[p], compressing[p])] for p in policies}
     for p in policies:
         (steady, compressions, spread), n = parts[p], len(seconds[p])
         steps = sorted(1e3 * s for s, c in zip(seconds[p], compressing[p]) if not c)
+        each = [1e3 * s for s, c in zip(seconds[p], compressing[p]) if c]
         mean = steady + compressions + spread
         print(f"{p:>10}: mean step {mean:6.2f} ({mean / sum(parts[first]):.2f}x {first}'s) = steady median "
-              f"{steady:6.2f} ({steady / parts[first][0]:.2f}x) + {sum(compressing[p])} compressions {compressions:5.2f}"
-              f" + the steady steps' spread {spread:5.2f} (p90 {steps[int(0.9 * len(steps))]:6.2f}, max "
-              f"{steps[-1]:7.2f}); garbage collector {1e3 * collector[p][0] / n:4.2f} a step, "
-              f"{collector[p][1]} full collections")
+              f"{steady:6.2f} ({steady / parts[first][0]:.2f}x) + compressions {compressions:5.2f} ({len(each)} "
+              f"steps, median {statistics.median(each) if each else 0:7.2f}) + the steady steps' spread {spread:5.2f} "
+              f"(p90 {steps[int(0.9 * len(steps))]:6.2f}, max {steps[-1]:7.2f}); garbage collector "
+              f"{1e3 * collector[p].seconds / n:4.2f} a step, {collector[p].full} full collections")
 
 
 def main(argv=None):
