@@ -289,8 +289,9 @@ def step_times(model, prompts, sparse, steps):
 def split_mean(seconds, compressing):
     """The mean step, in three parts: -> (the median steady step, the compressing steps' excess over it and the
     other steps' excess over it, each spread over all steps). They sum to the mean; a large third part is a
-    spread of the steady steps (outliers: pauses), not work that every step or every compression does."""
-    steady = statistics.median(s for s, c in zip(seconds, compressing) if not c)
+    spread of the steady steps (outliers: pauses), not work that every step or every compression does. No steady
+    step (every step compressed: interval 1 over budget): the median steady step is 0 and the mean is compressions."""
+    steady = statistics.median([s for s, c in zip(seconds, compressing) if not c] or [0.0])
     excess = lambda which: sum(s - steady for s, c in zip(seconds, compressing) if c == which) / len(seconds)
     return steady, excess(True), excess(False)
 
@@ -339,11 +340,11 @@ def print_step_times(model, prompts, args):
     parts = {p: [1e3 * x for x in split_mean(seconds[p], compressing[p])] for p in policies}
     for p in policies:
         (steady, compressions, spread), n = parts[p], len(seconds[p])
-        steps = sorted(1e3 * s for s, c in zip(seconds[p], compressing[p]) if not c)
+        steps = sorted(1e3 * s for s, c in zip(seconds[p], compressing[p]) if not c) or [0.0]
         each = [1e3 * s for s, c in zip(seconds[p], compressing[p]) if c]
-        mean = steady + compressions + spread
+        mean, vs = steady + compressions + spread, steady / parts[first][0] if parts[first][0] else float("nan")
         print(f"{p:>10}: mean step {mean:6.2f} ({mean / sum(parts[first]):.2f}x {first}'s) = steady median "
-              f"{steady:6.2f} ({steady / parts[first][0]:.2f}x) + compressions {compressions:5.2f} ({len(each)} "
+              f"{steady:6.2f} ({vs:.2f}x) + compressions {compressions:5.2f} ({len(each)} "
               f"steps, median {statistics.median(each) if each else 0:7.2f}) + the steady steps' spread {spread:5.2f} "
               f"(p90 {steps[int(0.9 * len(steps))]:6.2f}, max {steps[-1]:7.2f}); garbage collector "
               f"{1e3 * collector[p].seconds / n:4.2f} a step, {collector[p].full} full collections")

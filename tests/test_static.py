@@ -225,6 +225,7 @@ def test_split_mean_parts_the_mean_step_by_hand():
     steady, compressions, spread = split_mean(seconds, compressing)
     assert (steady, compressions, spread) == pytest.approx((11.5, 47 / 6, 17 / 6))
     assert steady + compressions + spread == pytest.approx(sum(seconds) / len(seconds))
+    assert split_mean([4, 6], [True, True]) == (0.0, 5.0, 0.0)          # interval 1 over budget: no steady step
 
 
 def test_gc_clock_counts_the_full_collections_under_it_only():
