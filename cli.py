@@ -107,11 +107,12 @@ def parse_args(argv=None):
                    "else 512)")
     g = p.add_argument_group("correction (correction.py)")
     g.add_argument("--correction", default="sparse-rl", choices=["sparse-rl", "tis", "none"],
-                   help="sparse-rl: rejection + weights; tis: weights only; none: naive sparse training")
+                   help="sparse-rl: rejection + weights; tis: Sparse-RL's weights without rejection (not Sparrow's "
+                   "unnormalised min(rho, 3)); none: naive sparse training")
     g.add_argument("--veto", type=float, default=1e-4, help="a response with any rho below this leaves the loss")
     g.add_argument("--band", type=float, nargs=2, default=[0.5, 1.5], metavar=("LOW", "HIGH"),
                    help="tokens with rho outside [LOW, HIGH] leave the loss")
-    g.add_argument("--cap", type=float, default=1.5, help="importance weights min(rho, cap)")
+    g.add_argument("--cap", type=float, default=1.5, help="importance weights min(rho, cap), divided by their batch mean")
     g = p.add_argument_group("GRPO and down-sampling")
     g.add_argument("--prompts", type=int, default=d["prompts"], help="prompts per step (smollm2-135m: 2; "
                    "with --device cuda 16)")
