@@ -1,7 +1,7 @@
 """The evictable KV cache and the attention hook (docs/method.md section 2).
 
-A sparse rollout keeps at most `budget` tokens per layer and KV head. The cache grows to
-`budget + interval` tokens and is then compressed back to `budget`: a scoring policy
+A sparse rollout keeps `budget` tokens per layer and KV head (a longer prompt whole until the first decode
+step). The cache grows to `budget + interval` tokens and is then compressed back to `budget`: a scoring policy
 (policies.py) gives every cached token a score, and each row of the batch and each KV head keeps
 its own top `budget` tokens. Everything else in the repo sees only `KVCache` and `SparseConfig`.
 
@@ -261,7 +261,8 @@ def attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=N
 
 
 class KVCache(Cache):
-    """A transformers `Cache` that keeps at most `budget + interval` tokens per layer and KV head.
+    """A transformers `Cache` that keeps at most `budget + interval` tokens per layer and KV head (a longer
+    prompt whole, until the first decode step compresses it).
 
     The caller announces each forward pass with `start_step(positions)`; the model then calls
     `update` (store the new keys and values) and our attention hook calls `attend` (compress
