@@ -444,8 +444,9 @@ def main(argv=None):
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(record, f, indent=1, default=str)
-    Path(os.path.splitext(out)[0] + ".md").write_text(text + "\n")          # the tables as printed
-    plot_scaling(scale, os.path.splitext(out)[0] + "_scaling.png")
+    stem = os.path.splitext(out)[0]
+    Path(stem + ".md").write_text(text + "\n")                               # the tables as printed
+    plot_scaling(scale, stem + "_scaling.png")
     return record
 
 

@@ -339,15 +339,15 @@ def print_step_times(model, prompts, args):
     first = policies[0]
     parts = {p: [1e3 * x for x in split_mean(seconds[p], compressing[p])] for p in policies}
     for p in policies:
-        (steady, compressions, spread), n = parts[p], len(seconds[p])
-        steps = sorted(1e3 * s for s, c in zip(seconds[p], compressing[p]) if not c) or [0.0]
-        each = [1e3 * s for s, c in zip(seconds[p], compressing[p]) if c]
+        steady, compressions, spread = parts[p]
+        ms = lambda which: sorted(1e3 * s for s, c in zip(seconds[p], compressing[p]) if c == which) or [0.0]
+        calm, each = ms(False), ms(True)
         mean, vs = steady + compressions + spread, steady / parts[first][0] if parts[first][0] else float("nan")
         print(f"{p:>10}: mean step {mean:6.2f} ({mean / sum(parts[first]):.2f}x {first}'s) = steady median "
-              f"{steady:6.2f} ({vs:.2f}x) + compressions {compressions:5.2f} ({len(each)} "
-              f"steps, median {statistics.median(each) if each else 0:7.2f}) + the steady steps' spread {spread:5.2f} "
-              f"(p90 {steps[int(0.9 * len(steps))]:6.2f}, max {steps[-1]:7.2f}); garbage collector "
-              f"{1e3 * collector[p].seconds / n:4.2f} a step, {collector[p].full} full collections")
+              f"{steady:6.2f} ({vs:.2f}x) + compressions {compressions:5.2f} ({sum(compressing[p])} steps, median "
+              f"{statistics.median(each):7.2f}) + the steady steps' spread {spread:5.2f} (p90 "
+              f"{calm[int(0.9 * len(calm))]:6.2f}, max {calm[-1]:7.2f}); garbage collector "
+              f"{1e3 * collector[p].seconds / len(seconds[p]):4.2f} a step, {collector[p].full} full collections")
 
 
 def main(argv=None):
