@@ -157,7 +157,7 @@ def run_hf(model, ids, new):
         seconds, out = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                                     max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
                                                     return_dict_in_generate=True), model.device)
-    kv = out.past_key_values   # a dynamic cache only grows: its final size is its peak
+    kv = getattr(out, kvcache.CACHE_ARG)   # a dynamic cache only grows: its final size is its peak
     kv_bytes = sum(t.numel() * t.element_size() for layer in kv.layers for t in (layer.keys, layer.values))
     return dict(tokens=out.sequences[:, ids.shape[1]:], seconds=seconds, prefill=stamps[1] - stamps[0],
                 peak_kv_tokens=kv.get_seq_length(), peak_kv_bytes=kv_bytes, evict_seconds=None, stamps=None,

@@ -33,7 +33,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import bench
 from bench import EVICTION, HF, LONG_POLICY, kv_formula, log, rate, timed
 from correction import ALPHA_TOPK, dense_logprobs
-from kvcache import KVCache, SparseConfig
+from kvcache import CACHE_ARG, KVCache, SparseConfig
 from report import markdown
 from sampler import Rollouts, clock, generate
 
@@ -151,7 +151,7 @@ def window_run(model, s, sampler, prompt_len, steps, budget=None, batch=None, ex
             with torch.inference_mode():
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=steps,
                                      min_new_tokens=steps, pad_token_id=0, return_dict_in_generate=True)
-            tokens, kv_tokens = out.sequences[:, prompt_len:], out.past_key_values.get_seq_length()
+            tokens, kv_tokens = out.sequences[:, prompt_len:], getattr(out, CACHE_ARG).get_seq_length()
         else:
             sparse = SparseConfig(sampler, budget=budget or s["budget"], interval=s["interval"])
             out = generate(model, ids.tolist(), sparse, max_new_tokens=steps, temperature=0, **(extra or {}))

@@ -20,7 +20,7 @@ What is notable here:
     cache = KVCache(SparseConfig("snapkv", budget=64), num_layers, max_new_tokens=128)
     with sparse_attention(model):
         cache.start_step(positions)            # [B, q] absolute positions, -1 = padding
-        model(ids, position_ids=positions.clamp(min=0), past_key_values=cache, kv_cache=cache)
+        model(ids, position_ids=positions.clamp(min=0), **{CACHE_ARG: cache}, kv_cache=cache)
 
 `sampler.generate` does exactly this in a loop.
 
@@ -28,13 +28,14 @@ Block top-k (`blocktopk`, Sparrow, section 3) evicts nothing: each decode step g
 head's best pages (`policies.top_pages`) and attends to those only (compute, not memory).
 `SparseConfig.schedule` (schedule.py) sets the budget from the context length.
 """
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AttentionInterface
+from transformers import AttentionInterface, LlamaForCausalLM
 from transformers.cache_utils import Cache
 
 from policies import CHUNK, SCORERS, Rows, keep_indices, top_pages
@@ -46,6 +47,9 @@ SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3")
 # key per step: in bf16 on an H100 that cost ~8 ms of CPU per call (our decode at 0.13x Hugging Face).
 # The other backends take any length, so they are the only ones our hook lets SDPA choose.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# transformers 5.24 renamed the models' `past_key_values` argument and output field to `cache`: the old name
+# warns, and goes in 5.40; releases before 5.24 (the GPU machine has 5.17) know only the old one.
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from correction import ALPHA_TOPK   # the top-k that alpha sums over, the same everywhere
-from kvcache import KVCache, SparseConfig, sparse_attention
+from kvcache import CACHE_ARG, KVCache, SparseConfig, sparse_attention
 from static import StaticCache, capture
 
 # Whether every row has ended is asked every DONE_EVERY steps, not every step: on a GPU the answer is a
@@ -135,9 +135,9 @@ def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk
 def forward(model, ids, positions, cache):
     """One forward pass through the cache; -> next-token logits [N, V] (float32). The cache must have been
     told of the step (`cache.start_step(positions)`): that bookkeeping stays on the host, out of the step."""
-    # `past_key_values` makes each attention layer store its keys and values in the cache;
-    # `kv_cache` reaches our attention hook (transformers passes extra kwargs down to it).
-    out = model(input_ids=ids, position_ids=positions.clamp(min=0), past_key_values=cache,
+    # `cache` (`past_key_values` before transformers 5.24) makes each attention layer store its keys and
+    # values in the cache; `kv_cache` reaches our attention hook (transformers passes extra kwargs down to it).
+    out = model(input_ids=ids, position_ids=positions.clamp(min=0), **{CACHE_ARG: cache},
                 use_cache=True, kv_cache=cache, logits_to_keep=1)
     return out.logits[:, -1].float()
 

@@ -1,5 +1,7 @@
 """The sampler against Hugging Face `generate`, a dense forward pass and a masked dense pass; and proof that
 no decode step reads a device value on the host (the host runs ahead of a GPU)."""
+import warnings
+
 import pytest
 import torch
 
@@ -184,6 +186,17 @@ def test_the_first_and_last_token_ids_are_accepted():
     prompts = [[0, 63, 5], [63, 0]]
     out = generate(model, prompts, SparseConfig("full"), max_new_tokens=4, temperature=0)
     assert torch.equal(out.tokens, hf_greedy(model, prompts, 4))
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_a_rollout_passes_the_cache_under_the_name_this_transformers_knows(captured):
+    # transformers 5.24 renamed the forward's `past_key_values` to `cache`: the old name warns (FutureWarning),
+    # and goes in 5.40, while 5.17 knows only the old one; kvcache.CACHE_ARG is whichever this version takes
+    model = tiny_model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        generate(model, PROMPTS, SparseConfig("snapkv", budget=8, interval=2, window=2), max_new_tokens=6,
+                 temperature=0, captured=captured)
 
 
 @pytest.mark.parametrize("sparse", [SparseConfig("full"), *(SparseConfig(p, budget=8, interval=3, window=2, sink=2, kernel=3)
