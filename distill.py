@@ -70,7 +70,7 @@ class LoRA(nn.Module):
 
     def hook(self, key):
         def add_update(linear, inputs, output):
-            if self.active:                                            # fp32 update, added in the layer's dtype
+            if self.active:   # fp32 (under autocast: bf16, as PEFT's LoRA), added in the layer's dtype
                 update = inputs[0].float() @ self.A[key].t() @ self.B[key].t() * self.scaling
                 return output + update.to(output.dtype)
         return add_update

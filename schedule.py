@@ -28,7 +28,7 @@ import torch
 import distill
 import tasks
 from correction import acceptance, dense_logprobs  # alpha = sum_v min(p_a, p_b) (section 4)
-from kvcache import DENSE, SparseConfig
+from kvcache import DENSE, POLICIES, SparseConfig
 from models import DTYPES, autocast, load_pretrained, pick_device
 from sampler import generate
 from tasks import TOY_TASKS
@@ -130,11 +130,20 @@ def longest_by_bin(positions, bin_size, n):
     return torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, which, real, "amax")
 
 
-def latest_evicting(i, evicts):
-    """The bin to raise when bin i's tail fails: i itself if it evicts (`evicts(j)`: bin j's contexts reach its
-    budget + interval, where the cache compresses); if not, what i misses was dropped earlier, for good, so the
-    latest earlier bin that evicts; None if no bin up to i evicts (eviction is not the cause)."""
-    return max([j for j in range(i + 1) if evicts(j)], default=None)
+def blamed_bin(i, budgets, longest, interval=1, page_size=None, seen=None):
+    """The bin whose budget rises when bin i's tail fails, or None: nothing to raise.
+
+    budgets: per bin (None: dense); longest: each bin's longest context; seen: the bins measured (all if None).
+    Eviction: i itself if it evicts (its contexts reach budget + interval, where the cache compresses); if not,
+    what i misses was dropped earlier, for good, so the latest earlier bin that evicts; None if no bin up to i
+    evicts (eviction is not the cause). Block top-k (`page_size`): nothing is dropped for good, each step
+    chooses its pages anew, so i itself if its longest context has more pages than a step attends
+    (budget // page_size, plus the first and 2 newest, as `KVCache.start_step`); else None."""
+    sparse = lambda j: budgets[j] is not None and (seen is None or j in seen)
+    if page_size:
+        pages = (int(longest[i]) - 1) // page_size + 1
+        return i if sparse(i) and budgets[i] // page_size + 3 < pages else None
+    return max([j for j in range(i + 1) if sparse(j) and budgets[j] + interval <= longest[j]], default=None)
 
 
 def measure(model, prompts, sparse, max_new_tokens, temperature=1.0, eos_token_id=None, pad_token_id=0, seed=0,
@@ -194,8 +203,8 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
     in the context (eviction is irreversible: a long context never gets back what a short one
     dropped). A schedule evicts earlier than a constant budget does, so the result is re-measured, and
     the earliest bin still below the threshold moves a budget to its next candidate: its own, or that of
-    the latest earlier bin that evicts (`latest_evicting`, the controller's rule), until every bin passes
-    or no bin that evicts is left to blame.
+    the latest earlier bin that evicts (`blamed_bin`, the controller's rule; block top-k: its own if it
+    attends fewer pages than its contexts hold), until every bin passes or no bin is left to blame.
     Returns (Schedule, rows): one row per bin {bins, budget, tail, tokens} of the final measurement,
     plus `profile`: the tail the bin had at each candidate budget held constant (nan: no token).
     `sampling`: temperature, eos_token_id, pad_token_id, seed (as `sampler.generate`), adapter (`measure`).
@@ -217,8 +226,9 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
         alpha, positions = measure(model, prompts, replace(sparse, schedule=schedule), max_new_tokens, **sampling)
         measured, counts = tail_by_bin(alpha, positions, bin_size, q)
         longest = longest_by_bin(positions, bin_size, len(measured))
-        evicts = lambda j: options[choice[j]] is not None and options[choice[j]] + sparse.interval <= longest[j]
-        movable = [latest_evicting(i, evicts) for i in range(min(n, len(measured))) if measured[i] < threshold]
+        pages = sparse.page_size if sparse.policy == "blocktopk" else None
+        movable = [blamed_bin(i, [options[k] for k in choice], longest, sparse.interval, pages)
+                   for i in range(min(n, len(measured))) if measured[i] < threshold]
         movable = [j for j in movable if j is not None]
         if not movable:
             break
@@ -240,13 +250,10 @@ class Controller:
     free, so `update(alpha, positions)` costs a quantile per bin and no forward pass. (Outside
     training the probe is `measure` on a few rows: one dense forward over prompt + response each.)
     The rule, per update:
-    - a bin whose tail is below `threshold` multiplies a budget by `up` (fast: a collapse is costly).
-      Its own if it evicts; if it does not, what it misses was dropped earlier, for good, so the
-      latest earlier bin that evicts is raised instead; if none does, eviction is not the cause and
-      nothing moves. A bin evicts if its contexts reach budget + `interval` (the cache compresses there).
-      With `page_size` (block top-k) nothing is dropped for good: each step chooses its pages anew, so
-      a failing bin raises its own budget, if its longest context has more pages than it attends
-      (budget // page_size, plus the first and 2 newest); else nothing moves;
+    - a bin whose tail is below `threshold` multiplies a budget by `up` (fast: a collapse is costly):
+      `blamed_bin`'s. Its own if it evicts; if it does not, what it misses was dropped earlier, for good,
+      so the latest earlier bin that evicts; if none does, eviction is not the cause and nothing moves.
+      With `page_size` (block top-k) nothing is dropped for good, so its own, if it skips pages;
     - a bin above `threshold + band`, with no failing bin at or after it, lowers its budget by `step` (slow);
     - bins with fewer than `min_tokens` tokens are left alone; contexts past the last bin count in
       it (its budget holds there); budgets stay in [low, high] and non-decreasing.
@@ -263,7 +270,6 @@ class Controller:
         self.page_size = page_size
         self.step, self.up, self.band, self.min_tokens, self.q = step, up, band, min_tokens, q
         self.schedule = piecewise([i * bin_size for i in range(bins)], [start] * bins)
-        self.history = []                                             # per update: (budgets, tails)
 
     @property
     def budgets(self):
@@ -291,12 +297,7 @@ class Controller:
         tails, counts, longest = self.measure(alpha, positions)
         budgets, seen = list(self.budgets), [i for i in range(len(tails)) if counts[i] >= self.min_tokens]
         failing = [i for i in seen if tails[i] < self.threshold]
-        if self.page_size:                                            # block top-k: the bin's own pages
-            pages = lambda j: (int(longest[j]) - 1) // self.page_size + 1
-            culprit = lambda i: i if budgets[i] // self.page_size + 3 < pages(i) else None
-        else:                                                         # eviction: the latest bin that dropped
-            culprit = lambda i: latest_evicting(i, lambda j: j in seen and budgets[j] + self.interval <= longest[j])
-        for j in {culprit(i) for i in failing} - {None}:
+        for j in {blamed_bin(i, budgets, longest, self.interval, self.page_size, seen) for i in failing} - {None}:
             budgets[j] = min(self.high, int(budgets[j] * self.up + 0.5))
         for i in seen:
             if tails[i] > self.threshold + self.band and not any(f >= i for f in failing):
@@ -304,7 +305,6 @@ class Controller:
         for i in range(1, len(budgets)):
             budgets[i] = max(budgets[i], budgets[i - 1])
         self.schedule = piecewise(self.bins, budgets)
-        self.history.append((self.budgets, tails.tolist()))
         return self.schedule
 
 
@@ -339,14 +339,15 @@ def cost(config, context, budget=None, batch=1, page_size=None, dense_layers=0, 
 
     FLOPs: 2 * P for the weights per row, plus 4 * heads * head_dim * kv_len per layer (QK and PV).
     Bytes: the weights once per step, plus the K and V of the kv_len tokens read per layer and row.
-    A sparse layer reads kv_len = min(context, budget) (page_size given: blocktopk, whose first page
-    and 2 newest come on top, and which scores context / page_size mean keys per KV head first);
+    A sparse layer reads kv_len = min(context, budget) (page_size given: blocktopk, which attends
+    budget // page_size pages plus the first and 2 newest, and scores context / page_size mean keys per
+    KV head first);
     the first `dense_layers` and any budget >= context (or None) read everything.
     Returns dict(flops, bytes, cost) with cost = flops + intensity * bytes (effective FLOPs).
     """
     L, n, n_kv, d, P = shape(config)
     dense = budget is None or budget >= context
-    kv = context if dense else min(context, budget + (3 * page_size if page_size else 0))
+    kv = context if dense else min(context, (budget // page_size + 3) * page_size if page_size else budget)
     kv_per_layer = [context] * min(dense_layers, L) + [kv] * (L - min(dense_layers, L))
     flops = batch * (2 * P + sum(4 * n * d * k for k in kv_per_layer))
     data = bytes_per * (P + batch * sum(2 * n_kv * d * k for k in kv_per_layer))
@@ -378,7 +379,8 @@ def main(argv=None):
                    "checkpoint; its warmup.json or args.json gives the task and digits of the prompts")
     g.add_argument("--adapter", metavar="FILE", help="a DistillSparse adapter.safetensors: sample with theta + phi")
     g.add_argument("--prompts", type=int, default=32, help="number of prompts")
-    g.add_argument("--policy", default="snapkv", help="the sampler's policy (kvcache.POLICIES)")
+    g.add_argument("--policy", default="snapkv", choices=[x for x in POLICIES if x != "full"],
+                   help="the sampler's policy (full never evicts: nothing to calibrate)")
     g.add_argument("--candidates", default="6,8,10,12,14,16,20,24,28,32,40", help="budgets to try, comma-separated")
     g.add_argument("--threshold", type=float, default=THRESHOLD, help="tail acceptance to hold")
     for name in ("bin_size", "interval", "window", "sink", "max_new_tokens"):
@@ -396,7 +398,16 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not (args.calibrate or args.speedup):
         p.error("give --calibrate and/or --speedup SCHEDULE.json")
+    for name in ("prompts", "context", "batch"):                       # every check before any model loads
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not 0.0 <= args.threshold <= 1.0:
+        p.error(f"--threshold must lie in [0, 1], got {args.threshold}")
     if args.calibrate:
+        try:
+            candidates = sorted({int(c) for c in args.candidates.split(",")})
+        except ValueError:
+            p.error(f"--candidates must be comma-separated integers, got {args.candidates!r}")
         made = [f for f in (Path(args.model, "warmup.json"), Path(args.model, "args.json")) if f.is_file()]
         if not made:
             p.error(f"no toy warm-up or checkpoint in {args.model!r} (no warmup.json, no args.json): run "
@@ -405,6 +416,13 @@ def main(argv=None):
         for name, value in TOY_TASKS[warmup["task"]].items():          # the run's settings where none given
             if getattr(args, name, 0) is None:
                 setattr(args, name, value)
+        if min(args.bin_size, args.max_new_tokens) < 1:
+            p.error(f"--bin-size and --max-new-tokens must be >= 1, got {args.bin_size}, {args.max_new_tokens}")
+        try:   # the sampler's settings, with the smallest candidate as its budget
+            sparse = SparseConfig(args.policy, interval=args.interval, window=args.window, sink=args.sink,
+                                  page_size=args.page_size, dense_layers=args.dense_layers, budget=candidates[0])
+        except ValueError as error:
+            p.error(f"{error} (the budget: the smallest of --candidates)")
         try:
             device = pick_device(args.device)
             model, tok = load_pretrained(args.model, device=device)
@@ -413,14 +431,10 @@ def main(argv=None):
         adapter = distill.LoRA.from_file(model, args.adapter) if args.adapter else None
         examples = tasks.make_examples(warmup["task"], args.prompts, 0, *warmup["digits"])
         prompts = [tasks.encode_prompt(tok, e["prompt"]) for e in examples]
-        sparse = SparseConfig(args.policy, interval=args.interval, window=args.window, sink=args.sink,
-                              page_size=args.page_size, dense_layers=args.dense_layers,
-                              budget=min(int(c) for c in args.candidates.split(",")))
         with autocast(args.dtype, device):
-            schedule, rows = calibrate(model, prompts, [int(c) for c in args.candidates.split(",")], args.threshold,
-                                       args.bin_size, sparse, args.max_new_tokens, eos_token_id=tok.eos_token_id,
+            schedule, rows = calibrate(model, prompts, candidates, args.threshold, args.bin_size, sparse,
+                                       args.max_new_tokens, eos_token_id=tok.eos_token_id,
                                        pad_token_id=tok.pad_token_id or 0, adapter=adapter)
-        candidates = sorted(set(int(c) for c in args.candidates.split(",")))
         print(f"Tail alpha (p05) per context bin at each constant candidate budget ({args.policy}), then the "
               f"chosen budget (the smallest holding {args.threshold}, non-decreasing) and the tail re-measured "
               "under the whole schedule\n")
@@ -431,8 +445,8 @@ def main(argv=None):
             print(f"| {r['bins'][0]}-{r['bins'][1] - 1} | " + " | ".join(map(cell, r["profile"])) +
                   f" | {r['budget'] or 'dense'} | {cell(r['tail']) if r['tokens'] else '-'} | {r['tokens']} |")
         below = [f"{r['bins'][0]}-{r['bins'][1] - 1} ({r['tail']:.2f})" for r in rows if r["tail"] < args.threshold]
-        if below:   # calibrate stopped: no bin up to these evicts, so no budget can lift them
-            print(f"below {args.threshold} with no evicting bin to raise (the mismatch is not eviction's): "
+        if below:   # calibrate stopped: no bin up to these evicts (or skips pages), so no budget can lift them
+            print(f"below {args.threshold} with no bin to raise (none drops tokens: the mismatch is not the budget's): "
                   + ", ".join(below))
         holds = [c for k, c in enumerate(candidates) if all(not r["profile"][k] < args.threshold for r in rows)]
         print(f"the smallest constant budget holding {args.threshold} in every bin: {holds[0] if holds else 'none'}")
@@ -450,7 +464,7 @@ def main(argv=None):
         factor = args.context / max(end, 1)
         pages = dict(page_size=args.page_size, dense_layers=args.dense_layers) if args.policy == "blocktopk" else {}
         rows = [(f"{args.speedup} as calibrated: {list(schedule.budgets)} from {list(bins)}", schedule)]
-        if len(bins) > 1:                                               # a constant budget has no length to stretch
+        if len(bins) > 1 and factor > 1:   # a constant budget has no length to stretch; shrunk, bins would merge
             rows.append((f"the same stretched x{factor:.0f} to {args.context} tokens", schedule.scaled(factor)))
         rows += [(f"constant budget {b} (for scale)", constant(b)) for b in (8192, 4096, 2048)]
         print(f"Predicted rollout speedup over dense ({args.policy}, {args.context} tokens decoded at batch "

@@ -56,12 +56,13 @@ from tasks import ALPHABET, char_tokenizer, encode_prompt, load_jsonl, longest_p
 def sparse_config(args, policy=None, budget=None, longest_prompt=0):
     """The rollout cache: a fixed --budget, a calibrated --schedule, or an online --controller whose bins
     cover `longest_prompt` + --max-new-tokens (`policy` and `budget` given: that fixed cache, for an evaluation)."""
+    if policy is None and args.schedule:            # its budgets replace --budget, and each is checked instead
+        return SparseConfig(args.policy, args.budget, args.interval, args.window, args.sink,
+                            schedule=S.Schedule.load(args.schedule))
     fixed = SparseConfig(policy or args.policy, args.budget if budget is None else budget, args.interval, args.window,
                          args.sink)
     if policy is not None:
         return fixed
-    if args.schedule:                                                  # replace() checks the schedule's budgets too
-        return replace(fixed, schedule=S.Schedule.load(args.schedule))
     if args.controller is not None:
         bins = S.bins_for(longest_prompt, args.max_new_tokens, args.bin_size)
         pages = fixed.page_size if fixed.policy == "blocktopk" else None   # chooses pages, evicts nothing

@@ -3,6 +3,7 @@
 Each test compares with an independent computation (numpy, a hand calculation, a brute-force sum),
 so it can fail."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -109,6 +110,30 @@ def test_calibrate_on_a_simulated_streaming_cache_by_hand(monkeypatch):
     schedule, _ = calibrate(None, None, candidates=[2, 4, 16], bin_size=4, sparse=sparse)
     assert tried == [[2, 2, 4, 16, 16], [2, 2, 16, 16, 16], [2, 4, 16, 16, 16]]
     assert schedule == piecewise([0, 4, 8, 12, 16], [2, 4, 16, 16, 16])
+
+
+def test_calibrate_for_block_topk_blames_the_failing_bin_itself(monkeypatch):
+    # Block top-k, pages of 16, interval 128, bins of 128, contexts 0-255. A stand-in for `measure`: bin 0 always
+    # holds; bin 1 holds if its budget is >= 256, or >= 192 while bin 0's is >= 160 (earlier sparse steps shape
+    # the states later tokens attend to). Held constant, 128 fails bin 1 and 192 holds, so calibrate tries
+    # [128, 192] and bin 1 fails. It attends 192 // 16 + 3 = 15 of its 16 pages: the controller's page rule
+    # raises bin 1 itself, to 256, and every bin holds. (The eviction rule would find no bin that evicts,
+    # 128 + 128 > 127 and 192 + 128 > 255, and stop with bin 1 failing.)
+    tried = []
+
+    def fake_measure(model, prompts, sparse, max_new_tokens, **sampling):
+        budget = (lambda c: sparse.budget) if sparse.schedule is None else sparse.schedule
+        if sparse.schedule is not None:
+            tried.append([budget(b) for b in sparse.schedule.bins])
+        holds = budget(128) >= 256 or (budget(128) >= 192 and budget(0) >= 160)
+        contexts = torch.arange(256)
+        return torch.where(contexts < 128, 1.0, 1.0 if holds else 0.5).double()[None], contexts[None]
+
+    monkeypatch.setattr(S, "measure", fake_measure)
+    sparse = SparseConfig("blocktopk", budget=128, interval=128, page_size=16)
+    schedule, rows = calibrate(None, None, candidates=[128, 192, 256], bin_size=128, sparse=sparse)
+    assert tried == [[128, 192], [128, 256]]
+    assert schedule == piecewise([0, 128], [128, 256]) and [r["tail"] for r in rows] == [1.0, 1.0]
 
 
 def test_a_schedule_sets_the_budget_of_each_compression(model):
@@ -258,6 +283,8 @@ def test_cost_matches_a_hand_computation():
     c = cost(CONFIG, context=102, budget=20, page_size=4, bytes_per=2, intensity=10)
     assert c["flops"] == 2 * 1232 + 2 * 4 * 2 * 4 * 32 + 2 * 2 * 1 * 4 * 26
     assert cost(CONFIG, 100, budget=100, page_size=4) == cost(CONFIG, 100, None, page_size=4)
+    # a budget between whole pages attends its whole pages only (22 // 4 = 5, as KVCache.start_step): 32 tokens
+    assert cost(CONFIG, 100, budget=22, page_size=4) == cost(CONFIG, 100, budget=20, page_size=4)
 
 
 def test_shape_counts_the_matmul_parameters_of_qwen3_and_fills_missing_fields():
@@ -326,6 +353,34 @@ def test_calibrate_command_line_takes_device_and_dtype(tmp_path, capsys):
                    "--device", "cpu", "--dtype", "bfloat16", "--out", str(tmp_path / "s.json")])
     assert set(Schedule.load(tmp_path / "s.json").budgets) <= {8, 12, None}
     assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--candidates", "6,x"], "--candidates must be comma-separated integers, got '6,x'"),
+    (["--threshold", "1.5"], "--threshold must lie in \\[0, 1\\], got 1.5"),
+    (["--bin-size", "0"], "--bin-size and --max-new-tokens must be >= 1, got 0, 12"),
+    (["--max-new-tokens", "0"], "--bin-size and --max-new-tokens must be >= 1, got 16, 0"),
+    (["--prompts", "0"], "--prompts must be >= 1, got 0"),
+    (["--policy", "full"], "invalid choice: 'full'"),
+    (["--policy", "blocktopk"], "budget=6 must be >= page_size = 16 \\(the budget: the smallest of --candidates\\)"),
+    (["--speedup", "s.json", "--context", "0"], "--context must be >= 1, got 0"),
+    (["--speedup", "s.json", "--batch", "-4"], "--batch must be >= 1, got -4"),
+])
+def test_the_command_line_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, argv, message):
+    # the folder holds a warm-up's warmup.json and no weights: a check that came after loading would fail there
+    import json
+    (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4])))
+    with pytest.raises(SystemExit):
+        S.main((["--calibrate"] if "--speedup" not in argv else []) + ["--model", str(tmp_path)] + argv)
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_speedup_of_a_long_schedule_at_a_short_context_leaves_out_the_stretched_row(tmp_path, capsys):
+    # stretched to fewer tokens than it spans, a schedule's bins would merge: that row is left out
+    piecewise([0, 16, 32], [8, 12, 16]).save(tmp_path / "s.json")
+    S.main(["--speedup", str(tmp_path / "s.json"), "--context", "2", "--batch", "1"])
+    out = capsys.readouterr().out
+    assert "as calibrated" in out and "stretched" not in out and "constant budget 8192" in out
 
 
 # 7. the lab's edge cases (LAB.md): each test fails on a mistake a student could make writing tail_by_bin

@@ -357,6 +357,18 @@ def test_controller_bins_cover_the_prompt_and_the_response():
     assert train.sparse_config(args, longest_prompt=175).schedule.bins == (0, 64, 128, 192, 256)
 
 
+def test_a_schedule_replaces_the_budget_it_would_fail_beside(tmp_path):
+    # block top-k needs budgets of at least a page (16); the toy's --budget 12 would fail, but a schedule's
+    # budgets replace it: they are checked, and a schedule with a budget under a page is refused
+    S.piecewise([0, 16], [16, 32]).save(tmp_path / "pages.json")
+    args = train.parse_args(["--policy", "blocktopk", "--schedule", str(tmp_path / "pages.json")])
+    assert train.sparse_config(args).schedule.budgets == (16, 32)
+    S.piecewise([0, 16], [8, 32]).save(tmp_path / "short.json")
+    args = train.parse_args(["--policy", "blocktopk", "--schedule", str(tmp_path / "short.json")])
+    with pytest.raises(ValueError, match="budget=8 must be >= page_size = 16"):
+        train.sparse_config(args)
+
+
 def test_the_longest_toy_prompt_by_brute_force():
     # pick with 6 digits: bos + "P" + 6 digits + up to 18 letters + "=" = 27 tokens; sort 4-8 digits: 1 + 1 + 8 + 1
     tok = char_tokenizer()
