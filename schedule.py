@@ -34,6 +34,7 @@ from sampler import generate
 from tasks import TOY_TASKS
 
 THRESHOLD = 0.86  # Sparrow: runs whose 5th-percentile acceptance stayed >= 0.86 trained stably
+HIGH = 4096       # the controller's largest budget, unless it starts above it
 
 
 # ----------------------------------------------------------------------------- the schedule
@@ -260,7 +261,7 @@ class Controller:
     Usable wherever a Schedule is: `SparseConfig(policy, schedule=controller)`.
     """
 
-    def __init__(self, threshold=THRESHOLD, bin_size=16, bins=8, start=64, low=16, high=4096,
+    def __init__(self, threshold=THRESHOLD, bin_size=16, bins=8, start=64, low=16, high=HIGH,
                  step=8, up=1.5, band=0.03, min_tokens=20, q=0.05, interval=1, page_size=None):
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must lie in [0, 1], got {threshold}")

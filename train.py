@@ -67,7 +67,8 @@ def sparse_config(args, policy=None, budget=None, longest_prompt=0):
         bins = S.bins_for(longest_prompt, args.max_new_tokens, args.bin_size)
         pages = fixed.page_size if fixed.policy == "blocktopk" else None   # chooses pages, evicts nothing
         return replace(fixed, schedule=S.Controller(args.controller, args.bin_size, bins, start=args.budget,
-                                                    low=fixed.min_budget, step=max(1, args.budget // 8),
+                                                    low=fixed.min_budget, high=max(S.HIGH, args.budget),
+                                                    step=max(1, args.budget // 8),
                                                     interval=args.interval, page_size=pages))
     return fixed
 

@@ -357,7 +357,7 @@ def test_controller_bins_cover_the_prompt_and_the_response():
     assert train.sparse_config(args, longest_prompt=175).schedule.bins == (0, 64, 128, 192, 256)
 
 
-def test_a_schedule_replaces_the_budget_it_would_fail_beside(tmp_path):
+def test_a_schedule_or_controller_takes_budgets_a_fixed_cache_would_refuse(tmp_path):
     # block top-k needs budgets of at least a page (16); the toy's --budget 12 would fail, but a schedule's
     # budgets replace it: they are checked, and a schedule with a budget under a page is refused
     S.piecewise([0, 16], [16, 32]).save(tmp_path / "pages.json")
@@ -367,6 +367,10 @@ def test_a_schedule_replaces_the_budget_it_would_fail_beside(tmp_path):
     args = train.parse_args(["--policy", "blocktopk", "--schedule", str(tmp_path / "short.json")])
     with pytest.raises(ValueError, match="budget=8 must be >= page_size = 16"):
         train.sparse_config(args)
+    # the controller starts at --budget, even above its usual cap (schedule.HIGH), and never goes past it
+    args = train.parse_args(["--controller", "0.86", "--budget", str(S.HIGH + 904)])
+    controller = train.sparse_config(args).schedule
+    assert set(controller.budgets) == {S.HIGH + 904} and controller.high == S.HIGH + 904
 
 
 def test_the_longest_toy_prompt_by_brute_force():
