@@ -77,7 +77,7 @@ def edit_match(completion, answer):
 
 
 def make_pick(rng, min_digits, max_digits):
-    """("kd604875jd", "045678"): n = min..max distinct digits in one block at a random place among 2n..3n
+    """("mjpl6047gejedie", "0467"): n = min..max distinct digits in one block at a random place among 2n..3n
     random letters; the answer needs the n digits and none of the letters. One block, because SnapKV and
     R-KV pool their scores over neighbouring tokens (with the digits scattered among the letters, no
     scorer beat random)."""
@@ -237,11 +237,14 @@ def encode_target(tokenizer, answer):
 # (the wording of verl's GSM8K preprocessing).
 ANSWER_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
-NUMBER = r"-?\d[\d,]*(?:\.\d+)?"  # what a data file's final answer may be: 72, -3, 2.50, 1,234
+# What a data file's final answer may be: 72, -3, 2.50, 1,234 (commas only between groups of three digits)
+NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 # The number a final answer starts with: a sign, maybe a dollar sign ("-$5", "$-5"), then 1,234.5 (commas
 # only between groups of three digits), 72, 2.50 or .5; never followed by more digits or by ",5" ("1,5"
-# is no number we can read: not 15, not 1.5).
-_LEADING_NUMBER = re.compile(r"\s*(-?)\s*\$?\s*(-?)\s*(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?![\d,]*,\d|\d)")
+# is no number we can read: not 15, not 1.5), nor by an operator and a number ("3/4", "2^10", "3 * 4",
+# "1e3" are not 3, 2, 3 or 1).
+_LEADING_NUMBER = re.compile(r"\s*(-?)\s*\$?\s*(-?)\s*(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+                             r"(?![\d,]*,\d|\d|\.\d|\s*[*/^×]\s*\.?\d|[eE][+-]?\d)")
 
 
 def _braced(text, start):
@@ -255,8 +258,10 @@ def _braced(text, start):
 
 
 def _plain(text):
-    """A final answer without its LaTeX and markdown: \\text{72}, 1{,}000, \\$72, **72** -> 72, 1,000, $72, 72."""
-    text = text.replace("{,}", ",").replace("\\$", "$").replace("\\!", "").replace("\\,", "").replace("*", "")
+    """A final answer without its LaTeX and markdown: \\text{72}, 1{,}000, \\$72, **72** -> 72, 1,000, $72, 72.
+    Only paired emphasis goes: the `*` of "3*4" is a product, kept (and then no number is read)."""
+    text = text.replace("{,}", ",").replace("\\$", "$").replace("\\!", "").replace("\\,", "")
+    text = re.sub(r"(?<!\d)(\*{1,2})([^*]+)\1(?!\d)", r"\2", text)
     return re.sub(r"\\(?:text|textbf|mathrm)\{([^{}]*)\}", r"\1", text)
 
 

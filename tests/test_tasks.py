@@ -242,6 +242,18 @@ def test_encode_target_is_the_answer_then_eos():
     ("#### 1,5", "15", 0.0),                                  # not a number we can read: not 15,
     ("#### 1,5", "1", 0.0),                                   # not 1 either
     ("\\boxed{\\frac{1}{2}}", "1", 0.0),
+    ("#### 3*4", "34", 0.0),                                  # a product is no number we read: not 34,
+    ("#### 3*4", "3", 0.0),                                   # nor its first factor
+    ("#### 2*5=10", "25", 0.0),
+    ("\\boxed{6*7}", "67", 0.0),
+    ("#### 3*4*5", "345", 0.0),
+    ("#### *72*", "72", 1.0),                                 # emphasis, single or double, still goes
+    ("#### **$18**.", "18", 1.0),
+    ("#### 3/4", "3", 0.0),                                   # a fraction, a power, an exponent: not their
+    ("#### 2.5/4", "2", 0.0),                                 # first number
+    ("#### 2^10", "2", 0.0),
+    ("#### 1e3", "1", 0.0),
+    ("#### 12 / 2 = 6", "12", 0.0),
 ])
 def test_numeric_reward_hand_cases(completion, answer, expected):
     assert numeric_reward(completion, answer) == expected
@@ -291,6 +303,9 @@ GOOD = json.dumps({"question": "q", "answer": "#### 1"})
     ('{"question": "q", "answer": "so it is\\n#### seventy"}', "not a number"),
     ('{"prompt": "q", "answer": ""}', "not a number"),
     ('{"question": "q", "answer": "#### 72 apples"}', "not a number"),
+    ('{"question": "q", "answer": "#### 1,5"}', "not a number"),        # commas group three digits: not 15
+    ('{"question": "q", "answer": "#### 12,34"}', "not a number"),
+    ('{"question": "q", "answer": "#### 1,,0"}', "not a number"),
 ])
 def test_malformed_line_names_file_and_line(tmp_path, bad, reason):
     path = write(tmp_path / "bad.jsonl", [GOOD, GOOD, bad, GOOD])
