@@ -128,11 +128,22 @@ def original_function(root, n):
     raise LabError(f"no commit of {ex.file} holds {ex.function} unstubbed: clone the repository again")
 
 
+def working_file(root, ex):
+    """(path, text) of the exercise's file as it stands; a LabError if it does not parse (mid-edit)."""
+    path = Path(root) / ex.file
+    source = path.read_text()
+    try:
+        ast.parse(source)
+    except SyntaxError as error:
+        raise LabError(f"{ex.file} does not parse (line {error.lineno}: {error.msg}): fix it, or take the whole "
+                       f"file back from git with `git checkout -- {ex.file}` (other edits in it go too)") from None
+    return path, source
+
+
 def start(n, root=ROOT):
     """Write exercise n's stub into its file; a one-line report."""
     ex = exercise(n)
-    path = Path(root) / ex.file
-    source = path.read_text()
+    path, source = working_file(root, ex)
     if is_stub(find_function(source, ex.function)):
         return f"exercise {n} is already started: {ex.file}:{ex.function} is a stub"
     first, end = function_lines(source, ex.function)
@@ -147,8 +158,7 @@ def start(n, root=ROOT):
 def reset(n, root=ROOT):
     """Put exercise n's original function back, leaving the rest of its file alone; a one-line report."""
     ex = exercise(n)
-    path = Path(root) / ex.file
-    source = path.read_text()
+    path, source = working_file(root, ex)
     first, end = function_lines(source, ex.function)
     lines = source.splitlines(keepends=True)
     path.write_text("".join(lines[:first]) + original_function(root, n) + "".join(lines[end:]))
@@ -174,7 +184,7 @@ def listing(root=ROOT):
     """The exercises as a Markdown table, with the state of each function in the working tree."""
     rows = ["| N | function | docs/method.md | test command | state |", "|---|---|---|---|---|"]
     for n, ex in EXERCISES.items():
-        state = "started (stub)" if is_stub(find_function((Path(root) / ex.file).read_text(), ex.function)) else "written"
+        state = "started (stub)" if is_stub(find_function(working_file(root, ex)[1], ex.function)) else "written"
         rows.append(f"| {n} | `{ex.file[:-3]}.{ex.function}` | section {ex.section} | "
                     f"`python lab.py test {n}` = `{' '.join(test_command(n))}` | {state} |")
     return "\n".join(rows)
@@ -194,6 +204,9 @@ def main(argv=None):
             return 0
         if args.n is None:
             raise LabError(f"`python lab.py {args.action} N` needs an exercise number, 1 to 5")
+        if args.pytest_args and args.action != "test":
+            raise LabError(f"`python lab.py {args.action}` takes one exercise at a time, got {args.n} and "
+                           f"{' '.join(args.pytest_args)}")
         if args.action == "test":
             exercise(args.n)
             return test(args.n, args.pytest_args)

@@ -12,7 +12,7 @@ tail statistic that stayed >= 0.86 in stable training runs). The dense side is o
 over each greedy response (`correction.dense_logprobs`), exactly the pi_old of a training step.
 Progress goes to stderr, the table to stdout.
 
-    python report.py runs results/runs/{dense,naive,tis,sparse-rl,schedule}-s? --robust-budgets 24 20 \\
+    python report.py runs results/runs/{dense,naive,tis,sparse-rl,schedule}-s? --robust-budgets 12 10 \\
         --out results/corrections                                   # as reproduce.sh does
 
 `runs`: what training did, one row per variant (docs/method.md sections 4, 5, 7). Each RUN_DIR is a
@@ -99,6 +99,8 @@ def inference(args):
     configs = [SparseConfig("full")] + [SparseConfig(policy, budget, args.interval, args.window, args.sink)
                                         for budget in args.budgets for policy in args.policies]  # raise early
     examples = load_jsonl(args.data)[: args.limit]
+    if args.adapter and not Path(args.adapter).is_file():
+        raise ValueError(f"--adapter {args.adapter!r}: no such file")
     device = pick_device(args.device)
     model, tokenizer = load_pretrained(args.model, args.gguf_file, args.cache_dir, device, DTYPES[args.dtype])
     adapter = distill.LoRA.from_file(model, args.adapter) if args.adapter else None
@@ -348,6 +350,9 @@ def robust_plan(folder, final_step, budgets):
     args = cli.parse_args([])                                   # defaults for keys an older args.json lacks
     vars(args).update(json.loads((ckpt / "args.json").read_text()))
     policy = "snapkv" if args.policy == "full" else args.policy
+    for path in (args.data, args.eval_data):                     # the held-out prompts are rebuilt from them
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{folder!r} was trained on {path!r}, which is not there (its args.json)")
     try:
         return ckpt, args, [SparseConfig(policy, b, args.interval, args.window, args.sink) for b in budgets]
     except ValueError as error:
@@ -403,6 +408,8 @@ def keeps(args):
         raise ValueError(f"no toy warm-up in {args.model!r} (no warmup.json): run `python train.py` first")
     settings = json.loads(made.read_text())
     run = TOY_TASKS[settings["task"]]
+    if (args.budget is not None and args.budget < 1) or args.example < 0:
+        raise ValueError(f"--budget must be >= 1 and --example >= 0, got {args.budget} and {args.example}")
     budget = args.budget or run["budget"]
     configs = [SparseConfig(p, budget, run["interval"], run["window"], run["sink"]) for p in args.policies]
     model, tokenizer = load_pretrained(args.model)

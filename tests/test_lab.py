@@ -133,6 +133,7 @@ def test_bad_exercise_numbers_and_edited_functions_are_clear_errors(repo, capsys
             lab.exercise(bad)
     assert lab.main(["start", "7"]) == 2 and "no exercise '7'" in capsys.readouterr().err
     assert lab.main(["reset"]) == 2 and "needs an exercise number" in capsys.readouterr().err
+    assert lab.main(["start", "1", "2"]) == 2 and "takes one exercise at a time, got 1 and 2" in capsys.readouterr().err
     path = repo / "correction.py"
     before = path.read_text()
     path.write_text(before.replace("    return w\n", "    return w * 1\n", 1))   # a student's own version
@@ -142,3 +143,17 @@ def test_bad_exercise_numbers_and_edited_functions_are_clear_errors(repo, capsys
     finally:
         lab.reset(1, repo)
     assert path.read_text() == before
+
+
+def test_a_file_that_does_not_parse_is_named_with_its_line(repo):
+    # a student mid-edit: start, reset and list say which file and line, and how to take the file back
+    path = repo / "schedule.py"
+    before = path.read_text()
+    path.write_text(before.replace("def tail_by_bin(", "def tail_by_bin((", 1))
+    line = before[: before.index("def tail_by_bin(")].count("\n") + 1
+    try:
+        for call in (lambda: lab.start(4, repo), lambda: lab.reset(4, repo), lambda: lab.listing(repo)):
+            with pytest.raises(LabError, match=f"schedule.py does not parse \\(line {line}: .*git checkout -- schedule.py"):
+                call()
+    finally:
+        path.write_text(before)

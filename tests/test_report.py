@@ -150,6 +150,29 @@ def test_a_dense_trained_run_is_tested_under_its_snapkv_settings(tmp_path):
         report.robust_plan(tmp_path / "dense-s0", 5, [20])
 
 
+def test_a_run_whose_data_file_is_gone_is_named_before_any_model_is_loaded(tmp_path):
+    ckpt = tmp_path / "real-s0" / "step-000003"
+    ckpt.mkdir(parents=True)
+    argv = ["--model", "m", "--data", str(tmp_path / "gone.jsonl")]
+    (ckpt / "args.json").write_text(json.dumps(vars(train.parse_args(argv))))
+    with pytest.raises(ValueError, match="was trained on '.*gone.jsonl', which is not there"):
+        report.robust_plan(tmp_path / "real-s0", 3, [20])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["inference", "--adapter", "no-such.safetensors"], "--adapter 'no-such.safetensors': no such file"),
+    (["keeps", "--budget", "0"], "--budget must be >= 1 and --example >= 0, got 0 and 0"),
+    (["keeps", "--example", "-1"], "--budget must be >= 1 and --example >= 0, got None and -1"),
+])
+def test_inference_and_keeps_refuse_bad_flags_before_loading(tmp_path, monkeypatch, argv, message):
+    (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4], seed=0)))
+    (tmp_path / "q.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
+    where = ["--data", str(tmp_path / "q.jsonl")] if argv[0] == "inference" else []
+    with pytest.raises(SystemExit, match=message):
+        report.main(argv + ["--model", str(tmp_path)] + where)
+
+
 def test_robust_budgets_reproduce_the_runs_own_final_evaluations(tmp_path, capsys):
     # A 1-step run (60 warm-up steps: dense 0.344, sparse 0.219 here; 6 s). At its training budget (SnapKV 10) the
     # final model must score what train.py's own final sparse evaluation wrote; at 64, more than any context here,

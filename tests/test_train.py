@@ -299,6 +299,20 @@ def test_save_atomically_replaces_an_existing_folder(tmp_path):
     assert models.checkpoints(tmp_path) == []                         # and none would pass for a checkpoint
     (tmp_path / "step-000004.tmp-ab12").mkdir()
     assert models.checkpoints(tmp_path) == []
+    with pytest.raises(OSError):                                      # a write that fails leaves nothing either
+        models.save_atomically(tmp_path / "step-000005", lambda tmp: (tmp / "no" / "a.txt").write_text("x"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "step-000004.tmp-ab12"]
+
+
+def test_checkpoints_are_ordered_by_step_past_six_digits(tmp_path):
+    for step in (999_998, 1_000_000, 999_999):
+        (tmp_path / f"step-{step:06d}").mkdir()
+    assert [p.name for p in models.checkpoints(tmp_path)] == ["step-999998", "step-999999", "step-1000000"]
+
+
+def test_a_folder_that_holds_no_model_is_named(tmp_path):
+    with pytest.raises(ValueError, match="folder '.*' holds no config.json: no saved model"):
+        models.load_pretrained(str(tmp_path))
 
 
 def test_a_data_file_smaller_than_the_held_out_split_is_refused(tmp_path):
