@@ -17,7 +17,8 @@ from models import CACHE_DIR, DTYPES, SMOLLM2
 from tasks import TASKS, TOY_TASKS, get_task
 
 # Defaults per kind of run, where no flag is given. Toy runs (no --model): tasks.TOY_TASKS, per task.
-PAPER = dict(budget=512, interval=128, window=8, sink=4, max_new_tokens=512, lr=1e-6, bin_size=128)  # Sparse-RL
+PAPER = dict(budget=512, interval=128, window=8, sink=4, max_new_tokens=512, lr=1e-6, bin_size=128,  # Sparse-RL
+             page_size=16, dense_layers=2)                                                         # Sparrow
 # --model smollm2-135m is the CPU demo: GSM8K prompts are 70-160 tokens, so budget 128 evicts within
 # 256 new tokens. Measured at OMP_NUM_THREADS=1: a step of 2 x 4 rollouts takes about a minute
 # (rollout 33 s, re-scoring 8 s, update 20-27 s), each evaluation of 16 prompts about a minute.
@@ -91,6 +92,9 @@ def parse_args(argv=None):
                    "(toy 4, smollm2-135m 32, else 128)")
     g.add_argument("--window", type=int, default=d["window"], help="recent tokens always kept (toy 4, else 8)")
     g.add_argument("--sink", type=int, default=d["sink"], help="first tokens kept by streaming (toy 2, else 4)")
+    g.add_argument("--page-size", type=int, default=d["page_size"], help="blocktopk: tokens per page (toy 4, else 16)")
+    g.add_argument("--dense-layers", type=int, default=d["dense_layers"], help="blocktopk: the first layers attend "
+                   "to every token (toy 1 of its 2, else 2)")
     g.add_argument("--captured", action="store_true", help="decode with the static-shape step (static.py): "
                    "replayed from a CUDA graph on a GPU, run as is on a CPU; the same tokens")
     g.add_argument("--temperature", type=float, default=d.get("temperature", 1.0),

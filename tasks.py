@@ -143,7 +143,9 @@ def get_task(name):
 # sort, reverse: prompts of 15-23 tokens, answers of 13-21, so 24 tokens evict on every rollout. From the
 #   400-step warm-up (0.969 dense), Sparse-RL at lr 1e-5 holds its accuracy (0.965 after 200 steps).
 # bin_size: the length bins of the per-step tail metrics and the controller (Sparrow: 2048 for 32K-token answers).
-TOY = dict(interval=4, window=4, sink=2, lr=1e-5, bin_size=16)
+# page_size, dense_layers: block top-k on the 2-layer toy attends densely in layer 0 and to pages of 4 in layer 1
+#   (Sparrow: pages of 16, the first 2 of 28 layers dense; its page would hold the pick budget of 12 whole).
+TOY = dict(interval=4, window=4, sink=2, lr=1e-5, bin_size=16, page_size=4, dense_layers=1)
 TOY_TASKS = dict(pick=dict(TOY, budget=12, max_new_tokens=12, warmup_steps=100),
                  sort=dict(TOY, budget=24, max_new_tokens=24, warmup_steps=400),
                  reverse=dict(TOY, budget=24, max_new_tokens=24, warmup_steps=400))

@@ -57,10 +57,10 @@ def sparse_config(args, policy=None, budget=None, longest_prompt=0):
     """The rollout cache: a fixed --budget, a calibrated --schedule, or an online --controller whose bins
     cover `longest_prompt` + --max-new-tokens (`policy` and `budget` given: that fixed cache, for an evaluation)."""
     if policy is None and args.schedule:            # its budgets replace --budget, and each is checked instead
-        return SparseConfig(args.policy, args.budget, args.interval, args.window, args.sink,
-                            schedule=S.Schedule.load(args.schedule))
+        return SparseConfig(args.policy, args.budget, args.interval, args.window, args.sink, page_size=args.page_size,
+                            dense_layers=args.dense_layers, schedule=S.Schedule.load(args.schedule))
     fixed = SparseConfig(policy or args.policy, args.budget if budget is None else budget, args.interval, args.window,
-                         args.sink)
+                         args.sink, page_size=args.page_size, dense_layers=args.dense_layers)
     if policy is not None:
         return fixed
     if args.controller is not None:

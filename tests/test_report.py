@@ -145,7 +145,8 @@ def test_a_dense_trained_run_is_tested_under_its_snapkv_settings(tmp_path):
     ckpt.mkdir(parents=True)
     (ckpt / "args.json").write_text(json.dumps(vars(train.parse_args(["--policy", "full", "--window", "3"]))))
     _, args, configs = report.robust_plan(tmp_path / "dense-s0", 3, [20, 12])
-    assert configs == [SparseConfig("snapkv", 20, 4, 3, 2), SparseConfig("snapkv", 12, 4, 3, 2)]   # toy: 4, -, 2
+    toy = dict(page_size=4, dense_layers=1)                                    # toy: interval 4, sink 2, pages of 4
+    assert configs == [SparseConfig("snapkv", 20, 4, 3, 2, **toy), SparseConfig("snapkv", 12, 4, 3, 2, **toy)]
     with pytest.raises(ValueError, match="step-000003, is not its final step 5"):
         report.robust_plan(tmp_path / "dense-s0", 5, [20])
 

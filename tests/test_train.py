@@ -372,19 +372,27 @@ def test_controller_bins_cover_the_prompt_and_the_response():
 
 
 def test_a_schedule_or_controller_takes_budgets_a_fixed_cache_would_refuse(tmp_path):
-    # block top-k needs budgets of at least a page (16); the toy's --budget 12 would fail, but a schedule's
+    # block top-k needs budgets of at least a page (the toy's: 4); a --budget of 3 would fail, but a schedule's
     # budgets replace it: they are checked, and a schedule with a budget under a page is refused
-    S.piecewise([0, 16], [16, 32]).save(tmp_path / "pages.json")
-    args = train.parse_args(["--policy", "blocktopk", "--schedule", str(tmp_path / "pages.json")])
-    assert train.sparse_config(args).schedule.budgets == (16, 32)
-    S.piecewise([0, 16], [8, 32]).save(tmp_path / "short.json")
-    args = train.parse_args(["--policy", "blocktopk", "--schedule", str(tmp_path / "short.json")])
-    with pytest.raises(ValueError, match="budget=8 must be >= page_size = 16"):
-        train.sparse_config(args)
+    pages = ["--policy", "blocktopk", "--budget", "3", "--schedule"]
+    S.piecewise([0, 16], [4, 8]).save(tmp_path / "pages.json")
+    assert train.sparse_config(train.parse_args(pages + [str(tmp_path / "pages.json")])).schedule.budgets == (4, 8)
+    S.piecewise([0, 16], [2, 8]).save(tmp_path / "short.json")
+    with pytest.raises(ValueError, match="budget=2 must be >= page_size = 4"):
+        train.sparse_config(train.parse_args(pages + [str(tmp_path / "short.json")]))
     # the controller starts at --budget, even above its usual cap (schedule.HIGH), and never goes past it
     args = train.parse_args(["--controller", "0.86", "--budget", str(S.HIGH + 904)])
     controller = train.sparse_config(args).schedule
     assert set(controller.budgets) == {S.HIGH + 904} and controller.high == S.HIGH + 904
+
+
+def test_block_topk_has_pages_that_fit_the_run():
+    # the toy's budget of 12 is under Sparrow's page of 16, and its 2 layers would both be Sparrow's dense ones:
+    # the toy pages by 4 with layer 0 dense; a real model keeps Sparrow's 16 and 2
+    toy = train.sparse_config(train.parse_args(["--policy", "blocktopk"]))
+    real = train.sparse_config(train.parse_args(["--policy", "blocktopk", "--model", "org/name"]))
+    assert (toy.budget, toy.page_size, toy.dense_layers) == (12, 4, 1)
+    assert (real.budget, real.page_size, real.dense_layers) == (512, 16, 2)
 
 
 def test_the_longest_toy_prompt_by_brute_force():
