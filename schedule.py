@@ -384,10 +384,9 @@ def main(argv=None):
                    help="the sampler's policy (full never evicts: nothing to calibrate)")
     g.add_argument("--candidates", default="6,8,10,12,14,16,20,24,28,32,40", help="budgets to try, comma-separated")
     g.add_argument("--threshold", type=float, default=THRESHOLD, help="tail acceptance to hold")
-    for name in ("bin_size", "interval", "window", "sink", "max_new_tokens"):
-        g.add_argument("--" + name.replace("_", "-"), type=int, help="(none: as train.py for the task)")
-    g.add_argument("--page-size", type=int, default=16, help="blocktopk page size")
-    g.add_argument("--dense-layers", type=int, default=2, help="blocktopk dense layers")
+    for name in ("bin_size", "interval", "window", "sink", "max_new_tokens", "page_size", "dense_layers"):
+        g.add_argument("--" + name.replace("_", "-"), type=int, help="(none: as train.py for the task; "
+                       "--speedup: Sparrow's blocktopk pages of 16, 2 dense layers)")
     g.add_argument("--out", default="results/schedule.json", help="where the schedule is written")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
     g.add_argument("--dtype", default="float32", choices=list(DTYPES), help="precision of the forward passes, as "
@@ -463,7 +462,9 @@ def main(argv=None):
         bins = schedule.bins
         end = bins[-1] + (bins[-1] - bins[-2] if len(bins) > 1 else 0)   # where the last bin ends
         factor = args.context / max(end, 1)
-        pages = dict(page_size=args.page_size, dense_layers=args.dense_layers) if args.policy == "blocktopk" else {}
+        sparrow = SparseConfig("blocktopk")                              # its page size and dense layers
+        pages = dict(page_size=args.page_size or sparrow.page_size, dense_layers=sparrow.dense_layers
+                     if args.dense_layers is None else args.dense_layers) if args.policy == "blocktopk" else {}
         rows = [(f"{args.speedup} as calibrated: {list(schedule.budgets)} from {list(bins)}", schedule)]
         if len(bins) > 1 and factor > 1:   # a constant budget has no length to stretch; shrunk, bins would merge
             rows.append((f"the same stretched x{factor:.0f} to {args.context} tokens", schedule.scaled(factor)))

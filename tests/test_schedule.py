@@ -362,7 +362,9 @@ def test_calibrate_command_line_takes_device_and_dtype(tmp_path, capsys):
     (["--max-new-tokens", "0"], "--bin-size and --max-new-tokens must be >= 1, got 16, 0"),
     (["--prompts", "0"], "--prompts must be >= 1, got 0"),
     (["--policy", "full"], "invalid choice: 'full'"),
-    (["--policy", "blocktopk"], "budget=6 must be >= page_size = 16 \\(the budget: the smallest of --candidates\\)"),
+    (["--policy", "blocktopk", "--candidates", "3,8"],          # the toy's pages, as train.py's: 4 tokens
+     "budget=3 must be >= page_size = 4 \\(the budget: the smallest of --candidates\\)"),
+    (["--policy", "blocktopk", "--page-size", "8"], "budget=6 must be >= page_size = 8"),
     (["--speedup", "s.json", "--context", "0"], "--context must be >= 1, got 0"),
     (["--speedup", "s.json", "--batch", "-4"], "--batch must be >= 1, got -4"),
 ])
