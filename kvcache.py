@@ -93,6 +93,11 @@ class SparseConfig:
         (for blocktopk, one page: the first and the 2 newest pages come on top of the budget's pages)."""
         return self.page_size if self.policy == "blocktopk" else self.window + self.sink
 
+    @property
+    def pages(self):
+        """Block top-k's page size; None for the eviction policies, which choose tokens, not pages."""
+        return self.page_size if self.policy == "blocktopk" else None
+
 
 # ----------------------------------------------------------------------------- one layer's state
 

@@ -227,8 +227,7 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
         alpha, positions = measure(model, prompts, replace(sparse, schedule=schedule), max_new_tokens, **sampling)
         measured, counts = tail_by_bin(alpha, positions, bin_size, q)
         longest = longest_by_bin(positions, bin_size, len(measured))
-        pages = sparse.page_size if sparse.policy == "blocktopk" else None
-        movable = [blamed_bin(i, [options[k] for k in choice], longest, sparse.interval, pages)
+        movable = [blamed_bin(i, [options[k] for k in choice], longest, sparse.interval, sparse.pages)
                    for i in range(min(n, len(measured))) if measured[i] < threshold]
         movable = [j for j in movable if j is not None]
         if not movable:
@@ -462,9 +461,10 @@ def main(argv=None):
         bins = schedule.bins
         end = bins[-1] + (bins[-1] - bins[-2] if len(bins) > 1 else 0)   # where the last bin ends
         factor = args.context / max(end, 1)
-        sparrow = SparseConfig("blocktopk")                              # its page size and dense layers
-        pages = dict(page_size=args.page_size or sparrow.page_size, dense_layers=sparrow.dense_layers
-                     if args.dense_layers is None else args.dense_layers) if args.policy == "blocktopk" else {}
+        pages = {}
+        if args.policy == "blocktopk":                                  # Sparrow's, where no flag is given
+            pages = dict(page_size=args.page_size or SparseConfig.page_size, dense_layers=SparseConfig.dense_layers
+                         if args.dense_layers is None else args.dense_layers)
         rows = [(f"{args.speedup} as calibrated: {list(schedule.budgets)} from {list(bins)}", schedule)]
         if len(bins) > 1 and factor > 1:   # a constant budget has no length to stretch; shrunk, bins would merge
             rows.append((f"the same stretched x{factor:.0f} to {args.context} tokens", schedule.scaled(factor)))

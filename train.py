@@ -65,11 +65,10 @@ def sparse_config(args, policy=None, budget=None, longest_prompt=0):
         return fixed
     if args.controller is not None:
         bins = S.bins_for(longest_prompt, args.max_new_tokens, args.bin_size)
-        pages = fixed.page_size if fixed.policy == "blocktopk" else None   # chooses pages, evicts nothing
         return replace(fixed, schedule=S.Controller(args.controller, args.bin_size, bins, start=args.budget,
                                                     low=fixed.min_budget, high=max(S.HIGH, args.budget),
                                                     step=max(1, args.budget // 8),
-                                                    interval=args.interval, page_size=pages))
+                                                    interval=args.interval, page_size=fixed.pages))
     return fixed
 
 
