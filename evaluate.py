@@ -12,7 +12,10 @@ sampler as it is deployed; a full cache always samples with theta. train.py eval
 through its rollout cache at the start, every --eval-every steps and at the end (`eval_both`, one
 line of <out>/eval.jsonl each), or evaluates only (`evaluate_only`, --steps 0); report.py's
 `inference` table is `run_inference` per cache, its `runs --robust-budgets` columns `accuracy`.
+
+    python evaluate.py --eval-policies snapkv streaming --eval-budgets 8 12   # = python train.py --steps 0 ...
 """
+import sys
 import time
 from contextlib import nullcontext
 
@@ -106,3 +109,18 @@ def run_inference(model, tokenizer, examples, reward, sparse, max_new_tokens, ba
     stats = C.mismatch_stats(*[torch.cat([pad_to(t, max_new_tokens) for t in column]) for column in zip(*parts)])
     return dict(accuracy=accuracy(torch.cat(rewards)), peak_kv_bytes=peak, alpha_mean=stats["alpha_mean"],
                 alpha_p05=stats["alpha_p05"], tokens=stats["tokens"], seconds=time.perf_counter() - start)
+
+
+def main(argv=None):
+    """`python evaluate.py [train.py's flags]`: train.py's evaluate-only run (--steps 0), which loads the model
+    as a training run would (the toy warm-up, --model, --resume's last checkpoint) and prints its table."""
+    import train   # here, not at the top: train.py imports this file
+    argv = sys.argv[1:] if argv is None else argv
+    argv = ["--steps", "0", *argv]
+    if train.parse_args(argv).steps != 0:                          # a --steps of the user's came after ours
+        sys.exit("error: evaluate.py never trains: drop --steps (python train.py trains)")
+    return train.main(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -139,6 +139,9 @@ def read_run(folder):
             raise ValueError(f"{path} is not JSON lines: {error}") from None
         if not lines:
             raise ValueError(f"{path} is empty")
+        stepless = [i for i, line in enumerate(lines, 1) if not isinstance(line, dict) or "step" not in line]
+        if stepless:
+            raise ValueError(f"{path} line {stepless[0]} has no \"step\": not a train.py log")
         logs.append(sorted({line["step"]: line for line in lines}.values(), key=lambda line: line["step"]))
     return tuple(logs)
 
@@ -372,6 +375,8 @@ def runs(args):
     """Check everything, read the runs, evaluate the final models at --robust-budgets; -> the report (markdown)."""
     if not args.folders:
         raise ValueError("no run folders given")
+    if len({os.path.abspath(f) for f in args.folders}) < len(args.folders):   # it would count as two seeds
+        raise ValueError(f"a run folder is given twice: {args.folders}")
     for b in args.robust_budgets:
         if b < 1:
             raise ValueError(f"--robust-budgets must be >= 1, got {b}")

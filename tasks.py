@@ -378,6 +378,9 @@ def make_arithmetic(n, seed, top=6, two_step=0.0):
     The same seed gives the same questions. data/arithmetic_{train,test}.jsonl (512 from seed 0, 64 from seed 1):
         python -c "import tasks; tasks.write_arithmetic('data')"
     """
+    if top < 2 or not 0.0 <= two_step <= 1.0:
+        raise ValueError(f"make_arithmetic needs top >= 2 (numbers are drawn from 2..top) and two_step in [0, 1], "
+                         f"got top={top}, two_step={two_step}")
     rng, examples = random.Random(seed), []
     while len(examples) < n:
         question, solution, solve = rng.choice(TWO_STEP if rng.random() < two_step else ONE_STEP)
@@ -396,6 +399,9 @@ def write_arithmetic(folder, train=512, test=64):
     seen = {e["prompt"] for e in train_set}
     distinct = {e["prompt"]: e for e in make_arithmetic(4 * test, seed=1)}        # a prompt fixes its answer
     test_set = [e for prompt, e in distinct.items() if prompt not in seen][:test]
+    if len(test_set) < test:   # one-step questions with numbers 2..6: 2160 in all
+        raise ValueError(f"write_arithmetic: only {len(test_set)} distinct test questions outside the {train} training "
+                         f"ones, asked for test={test}")
     Path(folder).mkdir(parents=True, exist_ok=True)
     for name, examples in (("train", train_set), ("test", test_set)):
         Path(folder, f"arithmetic_{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))

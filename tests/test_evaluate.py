@@ -164,3 +164,14 @@ def test_a_run_is_scored_with_the_reward_it_trained_on(tmp_path):
     assert evaluate.run_reward(train.parse_args(["--model", "m", "--data", str(data)])) is numeric_reward
     assert evaluate.run_reward(train.parse_args(["--reward", "exact"])) is exact_match
     assert evaluate.run_reward(train.parse_args(["--task", "pick"])) is reward_fn("pick") is edit_match
+
+
+def test_the_command_line_is_train_py_steps_0(monkeypatch):
+    calls = []
+    monkeypatch.setattr(train, "main", lambda argv: calls.append(argv))
+    evaluate.main(["--eval-budgets", "8", "12"])
+    assert calls == [["--steps", "0", "--eval-budgets", "8", "12"]]
+    for steps in (["--steps", "5"], ["--step=5"]):                 # argparse takes a prefix of a flag too
+        with pytest.raises(SystemExit, match="^error: evaluate.py never trains"):
+            evaluate.main(steps)
+    assert len(calls) == 1

@@ -124,10 +124,15 @@ def test_running_mean_and_variant_names():
     (["--robust-budgets", "0"], "--robust-budgets must be >= 1, got 0"),
     (["--robust-budgets", "8"], "grpo-s0' holds no checkpoint step-NNNNNN with args.json"),
     (["NOT-A-RUN"], "'.*NOT-A-RUN' is not a train.py run folder: it holds no metrics.jsonl"),
+    (["STEPLESS"], "STEPLESS/metrics.jsonl line 2 has no \"step\": not a train.py log"),
+    (["TWICE"], "a run folder is given twice"),                        # it would count as a second seed
 ])
 def test_bad_input_is_one_clear_line_before_any_model_is_loaded(runs, tmp_path, monkeypatch, extra, message):
     (tmp_path / "NOT-A-RUN").mkdir()
-    extra = [str(tmp_path / e) if e == "NOT-A-RUN" else e for e in extra]
+    (tmp_path / "STEPLESS").mkdir()
+    (tmp_path / "STEPLESS" / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"reward": 0.5}\n')
+    (tmp_path / "STEPLESS" / "eval.jsonl").write_text('{"step": 0, "dense": 0.5}\n')
+    extra = [runs[0] + "/" if e == "TWICE" else str(tmp_path / e) if e.isupper() else e for e in extra]
     monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit, match=message) as exit_info:
         report.main(["runs", *runs, *extra, "--out", str(tmp_path / "r")])

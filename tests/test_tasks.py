@@ -405,3 +405,14 @@ def test_committed_arithmetic_files_are_the_generators_output(tmp_path):
     train = {e["prompt"] for e in load_jsonl(DATA / "arithmetic_train.jsonl")}
     test = [e["prompt"] for e in load_jsonl(DATA / "arithmetic_test.jsonl")]
     assert len(test) == len(set(test)) and not train & set(test)     # held out: no training question
+
+
+def test_arithmetic_refuses_what_it_cannot_make(tmp_path):
+    with pytest.raises(ValueError, match="top >= 2"):
+        tasks.make_arithmetic(5, seed=0, top=1)               # randint(2, 1): no number to draw
+    with pytest.raises(ValueError, match="two_step in"):
+        tasks.make_arithmetic(5, seed=0, two_step=1.5)
+    # numbers 2..6 make 2160 distinct one-step questions: 3000 held-out ones do not exist
+    with pytest.raises(ValueError, match="asked for test=3000"):
+        tasks.write_arithmetic(tmp_path, test=3000)
+    assert not list(tmp_path.iterdir())                        # refused before writing anything
