@@ -51,7 +51,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvcache import DENSE, KVCache, SparseConfig, attention
+from kvcache import DENSE, POLICIES, KVCache, SparseConfig, attention
 from policies import top_pages
 
 # A step reads the held slots rounded up to a multiple of SPAN (or the whole buffer, if shorter): at 512 + 1536,
@@ -354,17 +354,19 @@ def main(argv=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from sampler import clock, generate
-    p = argparse.ArgumentParser(description="tokens/s of the eager and the static decode path, side by side")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--shape", default="bench", choices=SHAPES)
-    p.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on a GPU")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--prompt", type=int, default=256)
-    p.add_argument("--new", type=int, default=512)
-    p.add_argument("--budget", type=int, default=256)
-    p.add_argument("--interval", type=int, default=128)
-    p.add_argument("--policies", default="full,snapkv,blocktopk")
-    p.add_argument("--rounds", type=int, default=2)
+    p = argparse.ArgumentParser(description="tokens/s of the eager and the static decode path, side by side",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--shape", default="bench", choices=SHAPES, help="the random Llama's shape (SHAPES)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="none given: float32 on the CPU, bfloat16 on a GPU")
+    p.add_argument("--batch", type=int, default=8, help="rows decoded together")
+    p.add_argument("--prompt", type=int, default=256, help="prompt tokens (random ids)")
+    p.add_argument("--new", type=int, default=512, help="tokens generated a rollout")
+    p.add_argument("--budget", type=int, default=256, help="tokens an evicting cache keeps (block top-k: in the pages it attends)")
+    p.add_argument("--interval", type=int, default=128, help="decode steps between compressions")
+    p.add_argument("--policies", default="full,snapkv,blocktopk", help="comma-separated: " + ", ".join(POLICIES))
+    p.add_argument("--rounds", type=int, default=2, help="timed rollouts a policy and path (the median is shown)")
     p.add_argument("--hf", action="store_true", help="also time Hugging Face generate (dense, greedy)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="then profile a STEPS-token rollout per policy, eager and captured (torch.profiler)")
@@ -374,7 +376,19 @@ def main(argv=None):
                    help="only time every eager decode step (synchronised), policies interleaved for --rounds rounds: "
                         "the steady step and the compressing steps per policy")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
+    for name in ("batch", "prompt", "new", "budget", "interval", "rounds"):    # checked before a model is built
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.profile < 0:
+        p.error(f"--profile must be >= 0 (0: no profile), got {args.profile}")
+    try:
+        device = torch.device(args.device)
+        for policy in args.policies.split(","):
+            SparseConfig(policy, budget=args.budget, interval=args.interval)
+    except (RuntimeError, ValueError) as error:
+        p.error(str(error))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but torch sees no CUDA device (is this the CPU build of torch?)")
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     torch.manual_seed(0)
     longest = args.prompt + max(args.new, 3 * args.interval)     # --count-ops runs 3 intervals

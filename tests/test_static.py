@@ -253,3 +253,20 @@ def test_step_times_gives_each_decode_step_its_own_time_and_marks_its_compressio
     assert compressing == [True, False] * 4
     assert min(s for s, c in zip(seconds, compressing) if c) > 0.12      # 2 layers x 60 ms
     assert max(s for s, c in zip(seconds, compressing) if not c) < 0.12
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--profile", "-1"], "--profile must be >= 0"),
+    (["--policies", "full,xyz"], "unknown policy 'xyz'; allowed: full, streaming"),
+    (["--policies", "blocktopk", "--budget", "4"], "budget=4 must be >= page_size = 16"),
+    (["--device", "gpu"], "device type at start of device string: gpu"),
+])
+def test_the_command_line_refuses_bad_flags_before_building_a_model(monkeypatch, capsys, argv, message):
+    import transformers
+
+    import static
+    monkeypatch.setattr(transformers, "LlamaForCausalLM", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(SystemExit):
+        static.main(argv)
+    assert message in capsys.readouterr().err
