@@ -413,6 +413,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick and args.model:
         parser.error("--quick runs the tiny random model; it cannot be combined with --model")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.gpu:   # imported here, not at the top: bench_gpu builds on this module
         import bench_gpu
         return bench_gpu.main(args)
@@ -420,7 +422,10 @@ def main(argv=None):
     s["repeats"] = args.repeats or s["repeats"]
     wall = time.perf_counter()
     machine = f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    model = build_model(s)
+    try:
+        model = build_model(s)
+    except ValueError as error:                                     # a --model that is not there
+        parser.error(str(error))
     ids = torch.randint(1, s["vocab"], (s["batch"], s["prompt"]), generator=torch.Generator().manual_seed(1))
     results, long = throughput(model, ids, s, s["repeats"])
     scale = scaling(long, s)

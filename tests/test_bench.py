@@ -211,3 +211,16 @@ def test_report_lines_reach_the_file_before_the_run_ends(tmp_path):
     report.table("### T", ["a", "b"])
     report.row([1, 2])
     assert (tmp_path / "new" / "t.md").read_text().endswith("| a | b |\n|---|---|\n| 1 | 2 |\n")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quick", "--repeats", "0"], "--repeats must be >= 1, got 0"),          # was: the default, silently
+    (["--model", "no-such-model"], "model 'no-such-model' is neither an existing folder"),
+    (["--quick", "--model", "x"], "cannot be combined with --model"),
+])
+def test_bad_flags_are_one_error_line_before_any_timing(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(bench, "throughput", lambda *a: pytest.fail("it started timing"))
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
