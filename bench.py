@@ -127,21 +127,22 @@ def run_clocks(model):
 @contextmanager
 def eviction_clock():
     """Seconds spent choosing: `kvcache.compress` (score + keep), `Layer.remember` (window queries) and,
-    for block top-k, `kvcache.top_pages` (page scores at every decode step).
+    for block top-k, `kvcache.page_plan` and `kvcache.top_pages` (page scores at every decode step).
 
-    Each call reads the synchronised clock of its layer's device (every wrapped function takes a Layer first).
+    Each call reads the synchronised clock of its first argument's device (a Layer's, or page counts').
     """
     spent = [0.0]
 
     def clocked(fn):
         def wrapper(*args, **kwargs):
-            seconds, result = timed(lambda: fn(*args, **kwargs), args[0].k_buf.device)
+            device = args[0].device if torch.is_tensor(args[0]) else args[0].k_buf.device
+            seconds, result = timed(lambda: fn(*args, **kwargs), device)
             spent[0] += seconds
             return result
         return wrapper
 
     saved = [(owner, name, getattr(owner, name)) for owner, name in
-             ((kvcache, "compress"), (kvcache.Layer, "remember"), (kvcache, "top_pages"))]
+             ((kvcache, "compress"), (kvcache.Layer, "remember"), (kvcache, "page_plan"), (kvcache, "top_pages"))]
     for owner, name, fn in saved:
         setattr(owner, name, clocked(fn))
     try:

@@ -38,7 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, LlamaForCausalLM
 from transformers.cache_utils import Cache
 
-from policies import CHUNK, SCORERS, Rows, keep_indices, top_pages
+from policies import CHUNK, SCORERS, Rows, keep_indices, page_plan, top_pages
 
 POLICIES = ("full", "streaming", "h2o", "snapkv", "rkv", "random", "blocktopk")
 DENSE = 2 ** 40  # a budget that never evicts: what a schedule means by "dense"
@@ -327,6 +327,7 @@ class KVCache(Cache):
             pages = (self.context - 1) // sparse.page_size + 1          # for every layer of this step
             top = torch.as_tensor(self.budget) // sparse.page_size + pages.clamp(max=3)   # + first, 2 newest
             self.top, self.top_k = to_device(top, positions.device), int(top.max())
+            self.plan_pages = None                                      # made by the step's first sparse layer
 
     def capacity(self, prompt_len):
         """Slots to preallocate: everything for `full`, else what the cache can hold before compressing."""
@@ -364,7 +365,9 @@ class KVCache(Cache):
         masked = not self.decoding or layer.holes or sliding_window is not None
         keys, values, key_pos = layer.keys, layer.values, layer.pos
         if sparse.policy == "blocktopk" and self.decoding and layer_idx >= sparse.dense_layers:
-            index, key_pos = top_pages(layer, query, self.top, self.top_k, layer.pos)
+            if self.plan_pages is None:
+                self.plan_pages = page_plan(layer.page_count, self.top, self.top_k, layer.pos, sparse.page_size)
+            index, key_pos = top_pages(layer, query, self.plan_pages, layer.pos)
             (keys, values), masked = layer.gather(index), True
         out, received = attention(query, keys, values, key_pos, self.step_pos, scaling, sliding_window,
                                   masked=masked, weights=sparse.policy == "h2o")

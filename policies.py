@@ -8,12 +8,13 @@ sections 2 and 3). Pure functions of tensors; `kvcache.py` holds the cache that 
   keys before the observation window, pooled along those keys only. A padded or evicted slot is no
   token's neighbour (`pool`), so a row's choice never depends on the other prompts of its batch.
 - `keep_indices` turns scores into the slots that survive; `top_pages` is block top-k's choice of
-  pages for one decode step, from running page sums of the keys.
+  pages for one decode step, from running page sums of the keys (`page_plan`: its part every layer shares).
 
     from policies import SCORERS, Rows
     scores = SCORERS["snapkv"](Rows(keys, pos, acc, queries, query_pos, scaling, salt), sparse)
 """
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -153,34 +154,59 @@ def keep_indices(scores, count, n):
 
 # ----------------------------------------------------------------------------- block top-k
 
-def top_pages(layer, query, top, k, pos):
+class PagePlan(NamedTuple):
+    """What block top-k's choice at one decode step shares across its layers (`page_plan`)."""
+
+    tokens: torch.Tensor   # [B, 1, n]  float, tokens in each page (at least 1): page sums / tokens = mean keys
+    bias: torch.Tensor     # [B, 1, n]  added to page scores: -inf for a page with no token yet, +inf for the
+    #                                   reserved pages (the first: the sinks; the 2 newest: the local window)
+    chosen: torch.Tensor   # [B, 1, k]  bool, the ranks a row attends: its first min(top, pages it has)
+    offset: torch.Tensor   # [B, 1, 1, page_size]  the slots of page 0's tokens (left padding + 0 .. page_size-1)
+
+
+def page_plan(count, top, k, pos, page_size):
+    """Sparrow block top-k, the part of a decode step's page choice that is the same in every layer.
+
+    Every layer holds the same positions, so the same pages exist and are reserved, and a row attends the
+    same number of them; only their scores differ. Computed once a step (by the first sparse layer) rather than
+    once a layer: an eager GPU step is bound by its kernel launches, and this part is most of `top_pages`'s.
+    count [B, N]: tokens per page (`Layer.page_count`); top [B]: pages each row attends, the budget's best plus
+    the 3 reserved (device); k >= max(top) (host); pos [B, H_kv, S]: the positions of the slots a step looks at,
+    -1 where none (the held slots of the eager cache, or static.py's whole buffer). -> PagePlan.
+    """
+    n = (pos.shape[-1] - 1) // page_size + 1                            # no position reaches page n yet
+    count = count[:, :n]
+    pages, exists = torch.arange(n, device=count.device), count > 0
+    held = exists.sum(-1, keepdim=True)                                 # [B, 1]: pages fill from 0 up
+    reserved = exists & ((pages == 0) | (pages >= held - 2))
+    bias = torch.zeros(count.shape, device=count.device).masked_fill(~exists, float("-inf")).masked_fill(
+        reserved, float("inf"))
+    # Ranked by score, every page a row has comes before every page it has not (-inf): it attends its first
+    # min(top, held) ranks.
+    chosen = torch.arange(min(k, n), device=count.device) < torch.minimum(top[:, None], held)
+    padding = (pos[:, 0] >= 0).int().argmax(-1)                        # [B] slots before position 0 (the first real)
+    offset = padding[:, None] + torch.arange(page_size, device=count.device)
+    return PagePlan(count.clamp(min=1)[:, None].float(), bias[:, None], chosen[:, None], offset[:, None, None])
+
+
+def top_pages(layer, query, plan, pos):
     """Sparrow block top-k: the slots one decode query [B, H, 1, D] attends to -> (index, pos), [B, H_kv, S'].
 
     Pages are `page_size` positions of a row (position // page_size, so left padding does not
     shift them). Each KV head scores a page by its group-averaged query against the page's mean
-    key (from the running sums `Layer.add_pages` keeps: one vector per page is read, not every key)
-    and keeps `top` [B] (device) pages per row: the budget's best plus the first page (the sinks)
-    and the 2 newest (the local window); k >= max(top) (host). `index` lists the slots of the k
-    pages the most generous row keeps, best page first, so attention gathers and reads only
-    those; `pos` is -1 where a slot is not attended (past a row's tokens, or beyond its `top`).
-    `pos` [B, H_kv, S]: the positions of the slots looked at, the held ones (the eager cache) or the
-    whole buffer, -1 past the held ones (static.py: every page scored, k fixed, so shapes never change).
+    key (from the running sums `Layer.add_pages` keeps: one vector per page is read, not every key);
+    `plan` (`page_plan`, this step's) adds the reserved pages and says how many ranks each row keeps.
+    `index` lists the slots of the k pages the most generous row keeps, best page first, so attention
+    gathers and reads only those; `pos` is -1 where a slot is not attended (past a row's tokens, or
+    beyond its `top`). `pos` [B, H_kv, S]: the positions of the slots looked at, as in `page_plan`.
     """
-    page_size, size = layer.page_size, pos.shape[-1]
-    n = (size - 1) // page_size + 1                                     # no position reaches page n yet
-    count, sums = layer.page_count[:, :n], layer.page_sum[:, :, :n]     # [B, n], [B, H_kv, n, D]
+    size, n = pos.shape[-1], plan.bias.shape[-1]
+    sums = layer.page_sum[:, :, :n]                                     # [B, H_kv, n, D]
     q = query.float().unflatten(1, (sums.shape[1], -1)).mean(2)           # [B, H_kv, 1, D]
     # (a row vector times the page sums: a batched matrix-vector product is several times slower on a CPU)
-    score = (q @ sums.transpose(-1, -2))[:, :, 0] / count.clamp(min=1)[:, None]   # mean key . query [B, H_kv, n]
-    pages, exists = torch.arange(n, device=count.device), count > 0
-    newest = exists.sum(-1, keepdim=True) - 1                            # [B, 1]: pages fill from 0 up
-    reserved = exists & ((pages == 0) | (pages >= newest - 1))           # [B, n]
-    score = score.masked_fill(~exists[:, None], float("-inf")).masked_fill(reserved[:, None], float("inf"))
-    ranked = score.topk(min(k, n), dim=-1).indices                       # [B, H_kv, k], best first
-    chosen = (torch.arange(ranked.shape[-1], device=count.device) < top[:, None, None]) & exists.gather(
-        1, ranked.flatten(1)).view_as(ranked)
-    padding = (pos[:, 0] >= 0).int().argmax(-1)                         # [B] slots before position 0 (the first real)
-    slot = padding[:, None, None, None] + ranked[..., None] * page_size + torch.arange(page_size, device=count.device)
-    seen = (chosen[..., None] & (slot < size)).flatten(2)                # [B, H_kv, k * page_size]
+    score = (q @ sums.transpose(-1, -2))[:, :, 0] / plan.tokens + plan.bias   # mean key . query [B, H_kv, n]
+    ranked = score.topk(plan.chosen.shape[-1], dim=-1).indices            # [B, H_kv, k], best first
+    slot = (ranked * layer.page_size)[..., None] + plan.offset           # [B, H_kv, k, page_size]
+    seen = (plan.chosen[..., None] & (slot < size)).flatten(2)           # [B, H_kv, k * page_size]
     index = slot.flatten(2).clamp(max=size - 1)
-    return index, pos.gather(2, index).masked_fill(~seen, -1)
+    return index, torch.where(seen, pos.gather(2, index), -1)

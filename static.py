@@ -52,7 +52,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvcache import DENSE, POLICIES, KVCache, SparseConfig, attention
-from policies import top_pages
+from policies import page_plan, top_pages
 
 # A step reads the held slots rounded up to a multiple of SPAN (or the whole buffer, if shorter): at 512 + 1536,
 # 64 slots more than it holds on average, one graph captured per 128 steps; a multiple of 16 keeps the attention
@@ -142,7 +142,9 @@ class StaticCache(KVCache):
         span = slice(0, self.span)
         keys, values, key_pos = layer.k_buf[:, :, span], layer.v_buf[:, :, span], layer.pos_buf[:, :, span]
         if sparse.policy == "blocktopk" and layer_idx >= sparse.dense_layers:
-            index, key_pos = top_pages(layer, query, self.pages, self.k_pages, key_pos)
+            if self.plan_pages is None:     # the step's first sparse layer (start_step cleared it): in the graph
+                self.plan_pages = page_plan(layer.page_count, self.pages, self.k_pages, key_pos, sparse.page_size)
+            index, key_pos = top_pages(layer, query, self.plan_pages, key_pos)
             keys, values = layer.gather(index)
         out, received = attention(query, keys, values, key_pos, self.now, scaling, sliding_window,
                                   weights=sparse.policy == "h2o")

@@ -110,10 +110,11 @@ def test_the_limit_is_positive_and_the_tables_are_printed(quick):
 
 
 def test_an_eviction_wrapper_is_removed_after_use():
-    compress, top_pages = bench.kvcache.compress, bench.kvcache.top_pages
+    names = ("compress", "page_plan", "top_pages")           # block top-k's choice: its shared plan and each layer's
+    before = [getattr(bench.kvcache, name) for name in names]
     with bench.eviction_clock():
-        assert bench.kvcache.compress is not compress and bench.kvcache.top_pages is not top_pages
-    assert bench.kvcache.compress is compress and bench.kvcache.top_pages is top_pages
+        assert all(getattr(bench.kvcache, name) is not fn for name, fn in zip(names, before))
+    assert all(getattr(bench.kvcache, name) is fn for name, fn in zip(names, before))
 
 
 # ----------------------------------------------------------------------------- bench.py --gpu (bench_gpu.py)

@@ -3,6 +3,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+import kvcache
+import static
 from kvcache import KVCache, SparseConfig, check_model
 from reference import full_forward_logprobs, masked_dense_logprobs, simulate_cache, tiny_model
 from sampler import generate
@@ -173,6 +175,26 @@ def test_recording_reads_nothing_back_while_decoding(monkeypatch, policy):
     attended = out.stats["cache"].attended_tokens                       # counted once, at the end
     assert len(attended) == 29 and all(0 < a <= 9 + 29 for a in attended)
 
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_every_sparse_layer_of_a_step_shares_one_page_plan(monkeypatch, captured):
+    # page_plan's part of the choice is the same in every layer: made once a step, by the first sparse layer,
+    # the rollout must equal one in which each of the 3 sparse layers makes its own (the old per-layer code)
+    model = tiny_model("llama", num_hidden_layers=4)
+    sparse = SparseConfig("blocktopk", budget=4, page_size=4, dense_layers=1)
+    prompts = [list(range(1, 21)), [3, 4, 5]]
+    calls, page_plan = [], kvcache.page_plan
+    monkeypatch.setattr(kvcache, "page_plan", lambda *a: calls.append(1) or page_plan(*a))
+    monkeypatch.setattr(static, "page_plan", kvcache.page_plan)
+    shared = generate(model, prompts, sparse, max_new_tokens=24, temperature=1.0, seed=3, captured=captured)
+    assert len(calls) == 23                                            # one a decode step
+    for cls in (kvcache.KVCache, static.StaticCache):
+        attend = cls.attend
+        monkeypatch.setattr(cls, "attend", lambda self, *a, _attend=attend: setattr(self, "plan_pages", None)
+                            or _attend(self, *a))
+    own = generate(model, prompts, sparse, max_new_tokens=24, temperature=1.0, seed=3, captured=captured)
+    assert len(calls) == 23 + 23 * 3                                   # ... or one a sparse layer
+    assert torch.equal(shared.tokens, own.tokens) and torch.equal(shared.logprobs, own.logprobs)
 
 @pytest.mark.parametrize("schedule", [None, Schedule((0, 20), (4, 12))], ids=["fixed", "scheduled"])
 def test_blocktopk_pages_match_a_brute_force_choice(schedule):
