@@ -311,6 +311,11 @@ class KVCache(Cache):
         over = self.row_tokens - self.budget
         evicts = self.decoding and sparse.policy not in ("full", "blocktopk")
         self.due = (over > 0) & (over >= sparse.interval) & evicts
+        # SnapKV and R-KV score with the last `window` queries before a compression: a decode step further than
+        # that from every row's next one need not remember its query (2 launches a layer, eager). A schedule
+        # may lower the budget, bringing compressions forward: with one, every step remembers.
+        self.remembering = sparse.policy in ("snapkv", "rkv") and (
+            not self.decoding or sparse.schedule is not None or bool((over + sparse.window > sparse.interval).any()))
         self.row_tokens = torch.where(self.due, self.budget, self.row_tokens)
         self.compressing = bool(self.due.any())
         self.compressions += self.compressing
@@ -355,7 +360,7 @@ class KVCache(Cache):
         """Called by the hook: compress if due, then attend. query [B, H, q, D] -> [B, H, q, D]."""
         layer, sparse = self.layers[layer_idx], self.sparse
         layer.scaling = scaling
-        if sparse.policy in ("snapkv", "rkv"):
+        if self.remembering:
             layer.remember(query, self.step_pos, sparse.window)
         if self.compressing:
             rows, salt, count = self.plan

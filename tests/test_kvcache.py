@@ -176,6 +176,29 @@ def test_recording_reads_nothing_back_while_decoding(monkeypatch, policy):
     assert len(attended) == 29 and all(0 < a <= 9 + 29 for a in attended)
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "rkv"])
+def test_queries_are_remembered_only_in_the_window_before_a_compression(monkeypatch, policy):
+    # a compression scores with the last `window` (3) queries; a step more than 3 from every row's next one writes
+    # none. The rollout must equal one in which every step remembers its query (ragged rows fall due apart).
+    model = tiny_model("llama")
+    sparse = SparseConfig(policy, budget=8, interval=12, window=3, sink=2)
+    prompts = [list(range(1, 21)), [3, 4, 5, 6, 7], list(range(9, 20))]
+    calls = []
+    monkeypatch.setattr(kvcache.Layer, "remember", lambda self, *a, _r=kvcache.Layer.remember: calls.append(1)
+                        or _r(self, *a))
+    some = generate(model, prompts, sparse, max_new_tokens=40, temperature=1.0, seed=3)
+    written, start_step = len(calls), KVCache.start_step
+
+    def always(self, positions):
+        start_step(self, positions)
+        self.remembering = True
+    monkeypatch.setattr(KVCache, "start_step", always)
+    every = generate(model, prompts, sparse, max_new_tokens=40, temperature=1.0, seed=3)
+    assert every.stats["compressions"] >= 3                              # the rows' compressions fall apart
+    # 2 layers x 40 passes; each row needs 3 steps of its 12 and the 3 rows are out of step: at most 3/4
+    assert len(calls) - written == 2 * 40 and written <= 2 * (1 + 39 * 3 / 4)
+    assert torch.equal(some.tokens, every.tokens) and torch.equal(some.logprobs, every.logprobs)
+
 @pytest.mark.parametrize("captured", [False, True])
 def test_every_sparse_layer_of_a_step_shares_one_page_plan(monkeypatch, captured):
     # page_plan's part of the choice is the same in every layer: made once a step, by the first sparse layer,
