@@ -246,8 +246,10 @@ def attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=N
     """
     B, H, q, D = query.shape
     G = H // keys.shape[1]
-    if q == 1:
-        rows, mask = query.reshape(B, -1, G, D), visible(key_pos, query_pos, sliding_window) if masked else None
+    if q == 1:   # every key a decode step holds came before its query or with it: the valid ones are visible
+        rows = query.reshape(B, -1, G, D)
+        mask = None if not masked else key_pos[:, :, None] >= 0 if sliding_window is None else visible(
+            key_pos, query_pos, sliding_window)
     else:
         rows, keys, values = query, keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
         mask = visible(key_pos[:, :1], query_pos, sliding_window)

@@ -176,6 +176,19 @@ def test_recording_reads_nothing_back_while_decoding(monkeypatch, policy):
     assert len(attended) == 29 and all(0 < a <= 9 + 29 for a in attended)
 
 
+@pytest.mark.parametrize("captured", [False, True])
+@pytest.mark.parametrize("policy", ["full", "streaming", "h2o", "snapkv", "rkv", "random", "blocktopk"])
+def test_a_decode_step_attends_only_to_keys_before_its_query(policy, captured):
+    # what lets a decode step's mask be `key position >= 0` alone (kvcache.attention): no slot it reads holds a
+    # later position, whatever was evicted, padded or left empty in the static buffer
+    sparse = SparseConfig(policy, budget=8, interval=3, window=2, sink=2, page_size=4, dense_layers=1)
+    prompts = [list(range(1, 14)), [3, 4, 5], list(range(5, 12))]
+    out = generate(tiny_model("llama"), prompts, sparse, max_new_tokens=20, seed=1, record=True, captured=captured)
+    for layer in out.kept:                                              # [T, N, H_kv, S] positions attended
+        for t, step in enumerate(layer[1:], start=1):
+            now = torch.tensor([len(p) - 1 + t for p in prompts])[:, None, None]   # the query's position
+            assert (step <= now).all() and ((step >= 0).sum(-1) > 0).all()
+
 @pytest.mark.parametrize("policy", ["snapkv", "rkv"])
 def test_queries_are_remembered_only_in_the_window_before_a_compression(monkeypatch, policy):
     # a compression scores with the last `window` (3) queries; a step more than 3 from every row's next one writes
