@@ -106,7 +106,7 @@ class Layer:
 
     keys, values  [B, H_kv, S, D]  kept keys (with their original rotary positions) and values
     pos           [B, H_kv, S]     absolute position of each kept slot; -1 marks padding or a hole
-    acc           [B, H_kv, S]     attention each slot has received so far (H2O)
+    acc           [B, H_kv, S]     H2O only (else None): attention each slot has received so far
     queries       [B, H, W, D]     the last `window` queries (SnapKV, R-KV), query_pos [B, W]
     holes         bool             whether any kept slot is invalid (pos -1); if not, a decode
                                    step needs no attention mask at all
@@ -115,13 +115,14 @@ class Layer:
     Valid slots stay in position order (holes may sit between them).
     """
 
-    def __init__(self, like, capacity, page_size=None):
-        """Empty buffers of `capacity` slots, shaped, typed and placed like `like` [B, H_kv, q, D]."""
+    def __init__(self, like, capacity, page_size=None, accumulate=False):
+        """Empty buffers of `capacity` slots, shaped, typed and placed like `like` [B, H_kv, q, D]; `acc` only
+        if `accumulate` (H2O): other policies would zero it for every new token and never read it."""
         B, H, _, D = like.shape
         self.k_buf = like.new_zeros(B, H, capacity, D)
         self.v_buf = like.new_zeros(B, H, capacity, D)
         self.pos_buf = torch.full((B, H, capacity), -1, dtype=torch.long, device=like.device)
-        self.acc_buf = torch.zeros(B, H, capacity, dtype=torch.float32, device=like.device)
+        self.acc_buf = torch.zeros(B, H, capacity, dtype=torch.float32, device=like.device) if accumulate else None
         self.queries, self.query_pos, self.ring = None, None, 0
         self.size, self.scaling, self.holes = 0, None, False   # scaling: set by the hook
         self.page_size = page_size
@@ -132,14 +133,14 @@ class Layer:
     keys = property(lambda self: self.k_buf[:, :, : self.size])
     values = property(lambda self: self.v_buf[:, :, : self.size])
     pos = property(lambda self: self.pos_buf[:, :, : self.size])
-    acc = property(lambda self: self.acc_buf[:, :, : self.size])
+    acc = property(lambda self: None if self.acc_buf is None else self.acc_buf[:, :, : self.size])
 
     def append(self, key, value, pos):
         """Write q new tokens at the end: key, value [B, H_kv, q, D], pos [B, q]."""
         q = key.shape[2]
         if self.size + q > self.k_buf.shape[2]:  # only if a caller runs past max_new_tokens
             self.k_buf, self.v_buf, self.pos_buf, self.acc_buf = (
-                torch.cat([b, torch.full_like(b, -1 if b.dtype == torch.long else 0)], dim=2)
+                b if b is None else torch.cat([b, torch.full_like(b, -1 if b.dtype == torch.long else 0)], dim=2)
                 for b in (self.k_buf, self.v_buf, self.pos_buf, self.acc_buf))
             if self.page_size:
                 self.page_sum = torch.cat([self.page_sum, torch.zeros_like(self.page_sum)], dim=2)
@@ -148,7 +149,8 @@ class Layer:
         self.k_buf[:, :, self.size:end] = key
         self.v_buf[:, :, self.size:end] = value
         self.pos_buf[:, :, self.size:end] = pos[:, None, :]
-        self.acc_buf[:, :, self.size:end] = 0.0
+        if self.acc_buf is not None:
+            self.acc_buf[:, :, self.size:end] = 0.0
         self.size = end
         if self.page_size:
             self.add_pages(key, pos)
@@ -189,7 +191,8 @@ class Layer:
         n = index.shape[-1]
         self.k_buf[:, :, :n], self.v_buf[:, :, :n] = self.gather(index)
         self.pos_buf[:, :, :n] = self.pos.gather(2, index).masked_fill(~kept, -1)
-        self.acc_buf[:, :, :n] = self.acc.gather(2, index)
+        if self.acc_buf is not None:
+            self.acc_buf[:, :, :n] = self.acc.gather(2, index)
         self.size = n
 
 
@@ -202,9 +205,10 @@ def compress(layer, sparse, rows, salt, count, n):
     `salt` [b]: the due rows' (seed, layer, context), for `random`. Tensors on the cache's device."""
     valid = layer.pos >= 0
     scores = torch.where(valid, float("inf"), float("-inf"))
-    remembered = layer.queries is not None
-    due = Rows(layer.keys[rows], layer.pos[rows], layer.acc[rows], layer.queries[rows] if remembered else None,
-               layer.query_pos[rows] if remembered else None, layer.scaling, salt)
+    remembered, acc = layer.queries is not None, layer.acc                # None unless SnapKV / R-KV, H2O
+    due = Rows(layer.keys[rows], layer.pos[rows], None if acc is None else acc[rows],
+               layer.queries[rows] if remembered else None, layer.query_pos[rows] if remembered else None,
+               layer.scaling, salt)
     recent = due.pos > due.pos.amax(-1, keepdim=True) - sparse.window
     scores[rows] = SCORERS[sparse.policy](due, sparse).float().masked_fill(recent, float("inf")).masked_fill(
         due.pos < 0, float("-inf"))
@@ -351,7 +355,7 @@ class KVCache(Cache):
             # and what attention reads, are bf16. Keys stored as they come would double the cache's bytes.
             paged = self.sparse.policy == "blocktopk" and layer_idx >= self.sparse.dense_layers
             self.layers.append(Layer(value_states, self.capacity(key_states.shape[2]),
-                                     self.sparse.page_size if paged else None))
+                                     self.sparse.page_size if paged else None, self.sparse.policy == "h2o"))
             self.bytes_per_slot += 2 * value_states[:, :, :1].numel() * value_states.element_size()
         layer = self.layers[layer_idx]
         layer.append(key_states, value_states, self.step_pos)

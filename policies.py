@@ -30,7 +30,7 @@ class Rows:
 
     keys: torch.Tensor       # [b, H_kv, S, D]
     pos: torch.Tensor        # [b, H_kv, S] positions, -1 = padding or a hole
-    acc: torch.Tensor        # [b, H_kv, S] attention received so far (H2O)
+    acc: torch.Tensor        # [b, H_kv, S] attention received so far (H2O; None for the others)
     queries: torch.Tensor    # [b, H, W, D] the last `window` queries (SnapKV, R-KV; else None)
     query_pos: torch.Tensor  # [b, W]; every one is a real token when a row compresses
     scaling: float

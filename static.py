@@ -126,7 +126,8 @@ class StaticCache(KVCache):
         layer.k_buf.index_copy_(2, self.cursor, key_states.to(layer.k_buf.dtype))
         layer.v_buf.index_copy_(2, self.cursor, value_states.to(layer.v_buf.dtype))
         layer.pos_buf.index_copy_(2, self.cursor, self.now[:, None].expand(-1, key_states.shape[1], -1))
-        layer.acc_buf.index_fill_(2, self.cursor, 0.0)
+        if layer.acc_buf is not None:
+            layer.acc_buf.index_fill_(2, self.cursor, 0.0)
         if layer.page_size:
             layer.add_pages(key_states, self.now)
         return layer.k_buf[:, :, :self.span], layer.v_buf[:, :, :self.span]

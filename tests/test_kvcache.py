@@ -369,6 +369,8 @@ def test_h2o_accumulates_the_attention_each_slot_received(monkeypatch):
                     logits = q[b, head, c].double() @ k[b, head // G].double().T * D ** -0.5
                     expected[b, head // G] += logits.masked_fill(~seen, float("-inf")).softmax(-1) / G
     assert torch.allclose(cache.layers[0].acc.double(), expected, atol=1e-5)
+    cache, _ = run_cache(SparseConfig("snapkv", budget=64), q, k, v, pos, P)
+    assert cache.layers[0].acc is None                                 # only H2O keeps (and pays for) it
 
 
 def test_buffers_hold_what_the_cache_can_reach_before_compressing():
