@@ -241,7 +241,8 @@ def attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=N
 
     A decode step (q = 1) treats the G = H / H_kv query heads of a KV head as G query rows of
     that head: each kept key is read once per group, nothing is copied, and the mask, one row per
-    KV head [B, H_kv, 1, S], broadcasts over the G rows. The prefill (q > 1, nothing evicted yet,
+    KV head [B, H_kv, 1, S], broadcasts over the G rows; it is the valid slots alone (`key_pos >= 0`),
+    as a step holds no key after its query, unless a sliding window also hides old ones. The prefill (q > 1, nothing evicted yet,
     so every KV head holds the same positions) repeats the keys per query head, as Hugging Face's
     SDPA path does, under one [B, 1, q, S] mask. `masked=False`: the caller knows every slot is
     visible (a decode step over real tokens). `weights=True` (H2O) computes the softmax explicitly,
@@ -250,10 +251,10 @@ def attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=N
     """
     B, H, q, D = query.shape
     G = H // keys.shape[1]
-    if q == 1:   # every key a decode step holds came before its query or with it: the valid ones are visible
-        rows = query.reshape(B, -1, G, D)
-        mask = None if not masked else key_pos[:, :, None] >= 0 if sliding_window is None else visible(
-            key_pos, query_pos, sliding_window)
+    if q == 1:
+        rows, mask = query.reshape(B, -1, G, D), None
+        if masked:   # every key a decode step holds came before its query or with it: the valid ones are visible
+            mask = key_pos[:, :, None] >= 0 if sliding_window is None else visible(key_pos, query_pos, sliding_window)
     else:
         rows, keys, values = query, keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
         mask = visible(key_pos[:, :1], query_pos, sliding_window)
