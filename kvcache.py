@@ -205,7 +205,7 @@ def compress(layer, sparse, rows, salt, count, n):
     `salt` [b]: the due rows' (seed, layer, context), for `random`. Tensors on the cache's device."""
     valid = layer.pos >= 0
     scores = torch.where(valid, float("inf"), float("-inf"))
-    remembered, acc = layer.queries is not None, layer.acc                # None unless SnapKV / R-KV, H2O
+    remembered, acc = layer.queries is not None, layer.acc      # queries: SnapKV and R-KV only; acc: H2O only
     due = Rows(layer.keys[rows], layer.pos[rows], None if acc is None else acc[rows],
                layer.queries[rows] if remembered else None, layer.query_pos[rows] if remembered else None,
                layer.scaling, salt)
@@ -319,8 +319,9 @@ class KVCache(Cache):
         evicts = self.decoding and sparse.policy not in ("full", "blocktopk")
         self.due = (over > 0) & (over >= sparse.interval) & evicts
         # SnapKV and R-KV score with the last `window` queries before a compression: a decode step further than
-        # that from every row's next one need not remember its query (2 launches a layer, eager). A schedule
-        # may lower the budget, bringing compressions forward: with one, every step remembers.
+        # that from every row's next one need not remember its query (2 launches a layer, eager). A step that
+        # does not remember leaves the ring as it is, so the `window` steps before a compression fill it whole.
+        # A schedule may lower the budget, bringing compressions forward: with one, every step remembers.
         self.remembering = sparse.policy in ("snapkv", "rkv") and (
             not self.decoding or sparse.schedule is not None or bool((over + sparse.window > sparse.interval).any()))
         self.row_tokens = torch.where(self.due, self.budget, self.row_tokens)

@@ -30,7 +30,7 @@ class Rows:
 
     keys: torch.Tensor       # [b, H_kv, S, D]
     pos: torch.Tensor        # [b, H_kv, S] positions, -1 = padding or a hole
-    acc: torch.Tensor        # [b, H_kv, S] attention received so far (H2O; None for the others)
+    acc: torch.Tensor        # [b, H_kv, S] attention received so far (H2O; else None)
     queries: torch.Tensor    # [b, H, W, D] the last `window` queries (SnapKV, R-KV; else None)
     query_pos: torch.Tensor  # [b, W]; every one is a real token when a row compresses
     scaling: float
@@ -157,7 +157,8 @@ def keep_indices(scores, count, n):
 class PagePlan(NamedTuple):
     """What block top-k's choice at one decode step shares across its layers (`page_plan`)."""
 
-    tokens: torch.Tensor   # [B, 1, n]  float, tokens in each page (at least 1): page sums / tokens = mean keys
+    tokens: torch.Tensor   # [B, 1, n]  long, tokens in each page (at least 1): page sums / tokens = mean keys
+    #                                   (an integer divisor keeps the scores in the product's dtype: bf16 under autocast)
     bias: torch.Tensor     # [B, 1, n]  added to page scores: -inf for a page with no token yet, +inf for the
     #                                   reserved pages (the first: the sinks; the 2 newest: the local window)
     chosen: torch.Tensor   # [B, 1, k]  bool, the ranks a row attends: its first min(top, pages it has)
@@ -181,12 +182,12 @@ def page_plan(count, top, k, pos, page_size):
     reserved = exists & ((pages == 0) | (pages >= held - 2))
     bias = torch.zeros(count.shape, device=count.device).masked_fill(~exists, float("-inf")).masked_fill(
         reserved, float("inf"))
-    # Ranked by score, every page a row has comes before every page it has not (-inf): it attends its first
-    # min(top, held) ranks.
+    # Every page a row has scores finitely (a mean key . query), every page it has not -inf: ranked by score,
+    # the ones it has come first, so it attends its first min(top, held) ranks.
     chosen = torch.arange(min(k, n), device=count.device) < torch.minimum(top[:, None], held)
     padding = (pos[:, 0] >= 0).int().argmax(-1)                        # [B] slots before position 0 (the first real)
     offset = padding[:, None] + torch.arange(page_size, device=count.device)
-    return PagePlan(count.clamp(min=1)[:, None].float(), bias[:, None], chosen[:, None], offset[:, None, None])
+    return PagePlan(count.clamp(min=1)[:, None], bias[:, None], chosen[:, None], offset[:, None, None])
 
 
 def top_pages(layer, query, plan, pos):

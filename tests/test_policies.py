@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kvcache import SparseConfig
-from policies import SCORERS, Rows, keep_indices, redundancy
+from kvcache import Layer, SparseConfig
+from policies import SCORERS, Rows, keep_indices, page_plan, redundancy, top_pages
 
 H, H_KV, D = 4, 2, 8
 
@@ -66,3 +66,26 @@ def test_keep_indices_breaks_ties_toward_the_earlier_slot():
     assert index.tolist() == [[[0, 1, 2]]] and kept.all()
     scores[0, 0, 5] = 1.0
     assert keep_indices(scores, torch.tensor([3]), 3)[0].tolist() == [[[0, 1, 5]]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pages_are_ranked_in_the_precision_of_their_scores(dtype):
+    # each KV head ranks its pages by (group-mean query . page sum) / page tokens; under bf16 autocast the product
+    # is bf16, and dividing by the integer count keeps it so (a float divisor ranked bf16 ties differently).
+    # 600 tokens in pages of 6 (not a power of two: a page's mean is inexact in bf16): 100 pages of nearly equal
+    # keys, so that ties are many; the top 3 + the 3 reserved (first, 2 newest), the same pages in both rows.
+    torch.manual_seed(0)
+    layer = Layer(torch.zeros(2, H_KV, 1, D), 640, page_size=6)
+    keys, positions = torch.randn(2, H_KV, 600, D) * 0.05 + 1.0, torch.arange(600).expand(2, -1)
+    layer.append(keys, torch.zeros_like(keys), positions)
+    query = torch.randn(2, H, 1, D).abs() + 1.0
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        plan = page_plan(layer.page_count, torch.tensor([6, 6]), 6, layer.pos, 6)
+        index, _ = top_pages(layer, query, plan, layer.pos)
+        q = query.float().unflatten(1, (H_KV, -1)).mean(2)
+        score = (q @ layer.page_sum[:, :, :100].transpose(-1, -2))[:, :, 0] / layer.page_count[:, None, :100]
+    assert score.dtype == dtype
+    reserved = torch.zeros(100, dtype=torch.bool)
+    reserved[[0, 98, 99]] = True
+    ranked = score.masked_fill(reserved, float("inf")).topk(6, dim=-1).indices
+    assert torch.equal(index[..., ::6] // 6, ranked)                                  # each chosen page's first slot
