@@ -356,17 +356,19 @@ def print_step_times(model, prompts, args):
 def main(argv=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from models import pick_device
     from sampler import clock, generate
     p = argparse.ArgumentParser(description="tokens/s of the eager and the static decode path, side by side",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA if torch sees a GPU)")
     p.add_argument("--shape", default="bench", choices=SHAPES, help="the random Llama's shape (SHAPES)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="none given: float32 on the CPU, bfloat16 on a GPU")
     p.add_argument("--batch", type=int, default=8, help="rows decoded together")
     p.add_argument("--prompt", type=int, default=256, help="prompt tokens (random ids)")
     p.add_argument("--new", type=int, default=512, help="tokens generated a rollout")
-    p.add_argument("--budget", type=int, default=256, help="tokens an evicting cache keeps (block top-k: in the pages it attends)")
+    p.add_argument("--budget", type=int, default=256,
+                   help="tokens an evicting cache keeps (block top-k: in the pages it attends)")
     p.add_argument("--interval", type=int, default=128, help="decode steps between compressions")
     p.add_argument("--policies", default="full,snapkv,blocktopk", help="comma-separated: " + ", ".join(POLICIES))
     p.add_argument("--rounds", type=int, default=2, help="timed rollouts a policy and path (the median is shown)")
@@ -385,13 +387,11 @@ def main(argv=None):
     if args.profile < 0:
         p.error(f"--profile must be >= 0 (0: no profile), got {args.profile}")
     try:
-        device = torch.device(args.device)
+        device = pick_device(args.device)
         for policy in args.policies.split(","):
             SparseConfig(policy, budget=args.budget, interval=args.interval)
     except (RuntimeError, ValueError) as error:
         p.error(str(error))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda, but torch sees no CUDA device (is this the CPU build of torch?)")
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     torch.manual_seed(0)
     longest = args.prompt + max(args.new, 3 * args.interval)     # --count-ops runs 3 intervals
