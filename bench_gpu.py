@@ -58,7 +58,8 @@ CAPTURED = {"captured": True}
 ROWS = [(HF, "new", {}), ("full", "new", {}), (HF, "long_new", {}), ("full", "long_new", {}),
         ("streaming", "any", {}), ("h2o", "any", {}), ("snapkv", "any", {}), ("rkv", "any", {}),
         ("blocktopk", "new", {}), ("blocktopk", "long_new", {}), ("full", "new", CAPTURED),
-        ("full", "long_new", CAPTURED), ("snapkv", "any", CAPTURED), ("h2o", "any", CAPTURED)]
+        ("full", "long_new", CAPTURED), ("snapkv", "any", CAPTURED), ("h2o", "any", CAPTURED),
+        ("blocktopk", "new", CAPTURED), ("blocktopk", "long_new", CAPTURED)]
 
 
 # ----------------------------------------------------------------------------- the device
