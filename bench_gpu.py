@@ -34,6 +34,7 @@ import bench
 from bench import EVICTION, HF, LONG_POLICY, kv_formula, log, rate, timed
 from correction import ALPHA_TOPK, dense_logprobs
 from kvcache import CACHE_ARG, KVCache, SparseConfig
+from policies import RESERVED_PAGES
 from report import markdown
 from sampler import Rollouts, clock, generate
 
@@ -179,7 +180,7 @@ def kv_read_bytes(s, sampler, context, batch, budget=None):
         return L * per_token * (budget + s["interval"] / 2)
     if sampler == "blocktopk":   # dense layers read all; the rest their chosen pages + the 2 newest + the first,
         page, dense = SparseConfig.page_size, SparseConfig.dense_layers   # and the fp32 page key sums they score
-        chosen = min(context, (budget // page + 3) * page)
+        chosen = min(context, (budget // page + RESERVED_PAGES) * page)
         sums = context / page * s["kv_heads"] * D * 4 * batch
         return per_token * (dense * context + (L - dense) * chosen) + (L - dense) * sums
     return L * per_token * context

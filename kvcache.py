@@ -1,14 +1,15 @@
 """The evictable KV cache and the attention hook (docs/method.md section 2).
 
-A sparse rollout keeps `budget` tokens per layer and KV head (a longer prompt whole until the first decode
-step). The cache grows to `budget + interval` tokens and is then compressed back to `budget`: a scoring policy
+A sparse rollout keeps `budget` tokens per layer and KV head (a prompt over `budget + interval` whole until the
+first decode step). The cache grows to `budget + interval` tokens and is then compressed back to `budget`: a scoring policy
 (policies.py) gives every cached token a score, and each row of the batch and each KV head keeps
 its own top `budget` tokens. Everything else in the repo sees only `KVCache` and `SparseConfig`.
 
 What is notable here:
 - Cached keys keep the rotary position they were computed at; the attention mask is built
   from the absolute positions of the kept slots, so one rule (`key_pos <= query_pos`) serves
-  prefill, decode and left padding alike.
+  the prefill and left padding alike, and a decode step, whose keys all came before its query,
+  needs only the valid slots (`key_pos >= 0`), or no mask when it holds no hole.
 - Every decision is per row: when it compresses, its budget, which of its tokens stay. A row's
   rollout never depends on the other prompts of its batch (tested).
 - Bookkeeping lives on the host: how many tokens each row holds, which rows compress, their
@@ -38,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, LlamaForCausalLM
 from transformers.cache_utils import Cache
 
-from policies import CHUNK, SCORERS, Rows, keep_indices, page_plan, top_pages
+from policies import CHUNK, RESERVED_PAGES, SCORERS, Rows, keep_indices, page_plan, top_pages
 
 POLICIES = ("full", "streaming", "h2o", "snapkv", "rkv", "random", "blocktopk")
 DENSE = 2 ** 40  # a budget that never evicts: what a schedule means by "dense"
@@ -107,7 +108,9 @@ class Layer:
     keys, values  [B, H_kv, S, D]  kept keys (with their original rotary positions) and values
     pos           [B, H_kv, S]     absolute position of each kept slot; -1 marks padding or a hole
     acc           [B, H_kv, S]     H2O only (else None): attention each slot has received so far
-    queries       [B, H, W, D]     the last `window` queries (SnapKV, R-KV), query_pos [B, W]
+    queries       [B, H, W, D]     SnapKV, R-KV: a ring of the queries of the last `window` steps that remembered
+                                   (`KVCache.remembering`), the last `window` queries at every compression;
+                                   query_pos [B, W] their positions
     holes         bool             whether any kept slot is invalid (pos -1); if not, a decode
                                    step needs no attention mask at all
     page_sum      [B, H_kv, n, D]  blocktopk only: running sum of each page's keys, page_count [B, n]
@@ -174,8 +177,9 @@ class Layer:
 
     def remember(self, query, pos, window):
         """Keep the last `window` queries [B, H, q, D] and positions [B, q] in a ring of `window` slots,
-        written in place (a score sums over them, so their order does not matter). q > 1 only at the
-        prefill, whose last queries are copied: a view would keep its whole [B, H, P, D] alive."""
+        written in place; called at the steps `KVCache.remembering` marks (a step that does not only turns the
+        ring). q > 1 only at the prefill, whose last queries are copied: a view would keep its whole
+        [B, H, P, D] alive."""
         if query.shape[2] > 1 or self.queries is None:
             n = min(query.shape[2], window)
             self.queries = query.new_zeros(*query.shape[:2], window, query.shape[3])
@@ -242,8 +246,8 @@ def attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=N
     A decode step (q = 1) treats the G = H / H_kv query heads of a KV head as G query rows of
     that head: each kept key is read once per group, nothing is copied, and the mask, one row per
     KV head [B, H_kv, 1, S], broadcasts over the G rows; it is the valid slots alone (`key_pos >= 0`),
-    as a step holds no key after its query, unless a sliding window also hides old ones. The prefill (q > 1, nothing evicted yet,
-    so every KV head holds the same positions) repeats the keys per query head, as Hugging Face's
+    as a step holds no key after its query, unless a sliding window also hides old ones. The prefill
+    (q > 1, nothing evicted yet, so every KV head holds the same positions) repeats the keys per query head, as Hugging Face's
     SDPA path does, under one [B, 1, q, S] mask. `masked=False`: the caller knows every slot is
     visible (a decode step over real tokens). `weights=True` (H2O) computes the softmax explicitly,
     CHUNK queries at a time, and also returns `received` [B, H, S]: the attention each slot got
@@ -301,10 +305,11 @@ class KVCache(Cache):
     def start_step(self, positions):
         """Announce the next forward pass: positions [B, q] of its tokens (-1 for padding).
 
-        Decides on the host which rows compress at this step. Each row counts its own tokens, so a
-        row's rollout does not depend on how long the other prompts of its batch are. A decode step
-        feeds one real token per row, so it reads nothing back from the device; the prefill reads
-        its rows' real-token counts once.
+        Decides on the host which rows compress at this step (`due`, `compress_args`), whether the layers remember
+        the step's query (`remembering`) and, for block top-k, how many pages each row attends (`top`).
+        Each row counts its own tokens, so a row's rollout does not depend on how long the other prompts
+        of its batch are. A decode step feeds one real token per row, so it reads nothing back from the
+        device; the prefill reads its rows' real-token counts once.
         """
         sparse, q = self.sparse, positions.shape[1]
         self.step_pos, self.decoding = positions, bool(self.layers) and q == 1
@@ -317,7 +322,7 @@ class KVCache(Cache):
         # Prefill is kept whole; once over budget, a row compresses every `interval` decode steps.
         over = self.row_tokens - self.budget
         evicts = self.decoding and sparse.policy not in ("full", "blocktopk")
-        self.due = (over > 0) & (over >= sparse.interval) & evicts
+        self.due = (over >= sparse.interval) & evicts                 # interval >= 1: over budget
         # SnapKV and R-KV score with the last `window` queries before a compression: a decode step further than
         # that from every row's next one need not remember its query (2 launches a layer, eager). A step that
         # does not remember leaves the ring as it is, so the `window` steps before a compression fill it whole.
@@ -329,21 +334,22 @@ class KVCache(Cache):
         self.compressions += self.compressing
         if self.compressing:   # what every layer's compression needs, in one copy to the device
             rows = self.due.nonzero()[:, 0]
-            b, salt = len(rows), self.seed * 1_000_003 + self.context[rows]          # + layer * 65_537 per layer
-            plan = to_device(torch.cat([rows, salt, self.row_tokens]), positions.device)
-            self.plan = plan[:b], plan[b:2 * b], plan[2 * b:]                    # due rows, salt, count [B]
+            # `random`'s salt: (seed, context), + layer * 65_537 in each layer; any large odd multipliers would do
+            b, salt = len(rows), self.seed * 1_000_003 + self.context[rows]
+            args = to_device(torch.cat([rows, salt, self.row_tokens]), positions.device)
+            self.compress_args = args[:b], args[b:2 * b], args[2 * b:]           # due rows, salt, count [B]
             self.keep_n = int(self.row_tokens.max())
             self.holes_after = bool((self.row_tokens < self.keep_n).any())
         self.dense_kv_tokens += q
         self.peak_kv_tokens = max(self.peak_kv_tokens, self.kv_tokens + q)
-        if sparse.policy == "blocktopk" and self.decoding:             # pages kept per row, decided here once
-            pages = (self.context - 1) // sparse.page_size + 1          # for every layer of this step
-            top = torch.as_tensor(self.budget) // sparse.page_size + pages.clamp(max=3)   # + first, 2 newest
+        if sparse.policy == "blocktopk" and self.decoding:             # pages attended per row, decided here once
+            held = (self.context - 1) // sparse.page_size + 1           # for every layer of this step
+            top = torch.as_tensor(self.budget) // sparse.page_size + held.clamp(max=RESERVED_PAGES)
             self.top, self.top_k = to_device(top, positions.device), int(top.max())
             self.plan_pages = None                                      # made by the step's first sparse layer
 
     def capacity(self, prompt_len):
-        """Slots to preallocate: everything for `full`, else what the cache can hold before compressing."""
+        """Slots to preallocate: everything for `full` and `blocktopk`, else what the cache holds before compressing."""
         total, sparse = prompt_len + self.max_new_tokens, self.sparse
         if sparse.policy in ("full", "blocktopk"):
             return total
@@ -357,7 +363,7 @@ class KVCache(Cache):
             # and what attention reads, are bf16. Keys stored as they come would double the cache's bytes.
             paged = self.sparse.policy == "blocktopk" and layer_idx >= self.sparse.dense_layers
             self.layers.append(Layer(value_states, self.capacity(key_states.shape[2]),
-                                     self.sparse.page_size if paged else None, self.sparse.policy == "h2o"))
+                                     self.sparse.page_size if paged else None, accumulate=self.sparse.policy == "h2o"))
             self.bytes_per_slot += 2 * value_states[:, :, :1].numel() * value_states.element_size()
         layer = self.layers[layer_idx]
         layer.append(key_states, value_states, self.step_pos)
@@ -370,8 +376,10 @@ class KVCache(Cache):
         layer.scaling = scaling
         if self.remembering:
             layer.remember(query, self.step_pos, sparse.window)
+        elif layer.queries is not None:   # the ring still turns (a host int), so a compression finds its queries
+            layer.ring = (layer.ring + 1) % sparse.window   # in the slots every-step writing (static.py) gives them
         if self.compressing:
-            rows, salt, count = self.plan
+            rows, salt, count = self.compress_args
             compress(layer, sparse, rows, salt + layer_idx * 65_537, count, self.keep_n)
             layer.holes = self.holes_after
         # A decode step over real earlier tokens only sees every slot: no mask to build or apply.

@@ -154,6 +154,10 @@ def keep_indices(scores, count, n):
 
 # ----------------------------------------------------------------------------- block top-k
 
+NEWEST_PAGES = 2                    # block top-k always attends a row's 2 newest pages (its local window)
+RESERVED_PAGES = 1 + NEWEST_PAGES   # and its first (the attention sinks), beside the budget's best pages
+
+
 class PagePlan(NamedTuple):
     """What block top-k's choice at one decode step shares across its layers (`page_plan`)."""
 
@@ -172,14 +176,14 @@ def page_plan(count, top, k, pos, page_size):
     same number of them; only their scores differ. Computed once a step (by the first sparse layer) rather than
     once a layer: an eager GPU step is bound by its kernel launches, and this part is most of `top_pages`'s.
     count [B, N]: tokens per page (`Layer.page_count`); top [B]: pages each row attends, the budget's best plus
-    the 3 reserved (device); k >= max(top) (host); pos [B, H_kv, S]: the positions of the slots a step looks at,
+    the reserved (device); k (host): the ranks gathered, at least min(max(top), the pages pos spans); pos [B, H_kv, S]: the positions of the slots a step looks at,
     -1 where none (the held slots of the eager cache, or static.py's whole buffer). -> PagePlan.
     """
     n = (pos.shape[-1] - 1) // page_size + 1                            # no position reaches page n yet
     count = count[:, :n]
     pages, exists = torch.arange(n, device=count.device), count > 0
     held = exists.sum(-1, keepdim=True)                                 # [B, 1]: pages fill from 0 up
-    reserved = exists & ((pages == 0) | (pages >= held - 2))
+    reserved = exists & ((pages == 0) | (pages >= held - NEWEST_PAGES))
     bias = torch.zeros(count.shape, device=count.device).masked_fill(~exists, float("-inf")).masked_fill(
         reserved, float("inf"))
     # Every page a row has scores finitely (a mean key . query), every page it has not -inf: ranked by score,
@@ -197,7 +201,7 @@ def top_pages(layer, query, plan, pos):
     shift them). Each KV head scores a page by its group-averaged query against the page's mean
     key (from the running sums `Layer.add_pages` keeps: one vector per page is read, not every key);
     `plan` (`page_plan`, this step's) adds the reserved pages and says how many ranks each row keeps.
-    `index` lists the slots of the k pages the most generous row keeps, best page first, so attention
+    `index` lists the slots of the k pages the most generous row attends, best page first, so attention
     gathers and reads only those; `pos` is -1 where a slot is not attended (past a row's tokens, or
     beyond its `top`). `pos` [B, H_kv, S]: the positions of the slots looked at, as in `page_plan`.
     """

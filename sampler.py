@@ -149,9 +149,9 @@ def decode(model, cache, token, positions, noise, temperature, top_p, k):
 
 
 @torch.no_grad()   # not inference_mode: the rollouts it returns are trained on, and autograd must accept them
-def generate(model, prompts, sparse=SparseConfig(), max_new_tokens=256, temperature=1.0, top_p=1.0,
+def generate(model, prompts, sparse=None, max_new_tokens=256, temperature=1.0, top_p=1.0,
              eos_token_id=None, pad_token_id=0, seed=0, logprobs_topk=ALPHA_TOPK, record=False, captured=False):
-    """Sample a response for every prompt through a `KVCache` compressed as `sparse` says.
+    """Sample a response for every prompt through a `KVCache` compressed as `sparse` says (None: dense).
 
     prompts: N lists of token ids (any lengths). Left-padded prefill, then one token per step
     for every row; a row is done after EOS, the loop stops soon after all rows are done.
@@ -163,7 +163,7 @@ def generate(model, prompts, sparse=SparseConfig(), max_new_tokens=256, temperat
     stats count every step it ran.
     """
     check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk)
-    device = model.device
+    sparse, device = sparse or SparseConfig(), model.device
     ids, positions = left_pad(prompts, pad_token_id, device)
     N, k = len(prompts), min(logprobs_topk, model.config.vocab_size)
     cache = (StaticCache if captured else KVCache)(sparse, model.config.num_hidden_layers, max_new_tokens, seed, record)

@@ -30,6 +30,7 @@ import tasks
 from correction import acceptance, dense_logprobs  # alpha = sum_v min(p_a, p_b) (section 4)
 from kvcache import DENSE, POLICIES, SparseConfig
 from models import DTYPES, autocast, load_pretrained, pick_device
+from policies import RESERVED_PAGES
 from sampler import generate
 from tasks import TOY_TASKS
 
@@ -143,7 +144,7 @@ def blamed_bin(i, budgets, longest, interval=1, page_size=None, seen=None):
     sparse = lambda j: budgets[j] is not None and (seen is None or j in seen)
     if page_size:
         pages = (int(longest[i]) - 1) // page_size + 1
-        return i if sparse(i) and budgets[i] // page_size + 3 < pages else None
+        return i if sparse(i) and budgets[i] // page_size + RESERVED_PAGES < pages else None
     return max([j for j in range(i + 1) if sparse(j) and budgets[j] + interval <= longest[j]], default=None)
 
 
@@ -347,7 +348,9 @@ def cost(config, context, budget=None, batch=1, page_size=None, dense_layers=0, 
     """
     L, n, n_kv, d, P = shape(config)
     dense = budget is None or budget >= context
-    kv = context if dense else min(context, (budget // page_size + 3) * page_size if page_size else budget)
+    kv = context
+    if not dense:   # blocktopk: the budget's pages and the reserved ones
+        kv = min(context, (budget // page_size + RESERVED_PAGES) * page_size if page_size else budget)
     kv_per_layer = [context] * min(dense_layers, L) + [kv] * (L - min(dense_layers, L))
     flops = batch * (2 * P + sum(4 * n * d * k for k in kv_per_layer))
     data = bytes_per * (P + batch * sum(2 * n_kv * d * k for k in kv_per_layer))

@@ -52,7 +52,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvcache import DENSE, POLICIES, KVCache, SparseConfig, attention
-from policies import page_plan, top_pages
+from policies import RESERVED_PAGES, page_plan, top_pages
 
 # A step reads the held slots rounded up to a multiple of SPAN (or the whole buffer, if shorter): at 512 + 1536,
 # 64 slots more than it holds on average, one graph captured per 128 steps; a multiple of 16 keeps the attention
@@ -67,7 +67,8 @@ class StaticCache(KVCache):
     cursor  [1] long    the slot the step's new key is written to (every layer holds the same slots)
     ring    [1] long    the window's slot for the step's query (SnapKV, R-KV)
     now     [B, 1]      the step's positions, copied in by `start_step`
-    pages   [B] long    blocktopk: pages attended per row at this step, from the host's choice
+    pages   [B] long    blocktopk: pages attended per row at this step, from the host's choice; the step's
+                        `plan_pages` (policies.page_plan) is computed inside the graph from it
     seen    per layer   with record=True: the positions the step attended, cloned into `history`
     The host keeps `Layer.size` and `Layer.ring` in step (`end_step`), so an eager step can follow,
     and sets `span` (an int: the slots a step reads), which changes every SPAN steps of a growing cache.
@@ -102,9 +103,10 @@ class StaticCache(KVCache):
             self.ring = torch.zeros(1, dtype=torch.long, device=device)
             self.now = torch.zeros(B, 1, dtype=torch.long, device=device)
             self.pages = torch.zeros(B, dtype=torch.long, device=device)
-            # blocktopk attends to at most the largest budget's pages + the 3 reserved ones, of those that exist
+            # blocktopk attends to at most the largest budget's pages + the reserved ones, of those that exist
             budget = max([b or DENSE for b in sparse.schedule.budgets] if sparse.schedule else [sparse.budget])
-            self.k_pages = min(budget // sparse.page_size + 3, (first.pos_buf.shape[-1] - 1) // sparse.page_size + 1)
+            self.k_pages = min(budget // sparse.page_size + RESERVED_PAGES,
+                               (first.pos_buf.shape[-1] - 1) // sparse.page_size + 1)
             if self.history is not None:
                 self.seen = [layer.pos_buf.new_full(self.seen_shape(i, layer), -1) for i, layer in enumerate(self.layers)]
         self.cursor.fill_(first.size)
@@ -137,7 +139,7 @@ class StaticCache(KVCache):
         if not self.static:
             return super().attend(layer_idx, query, scaling, sliding_window)
         layer, sparse = self.layers[layer_idx], self.sparse
-        if sparse.policy in ("snapkv", "rkv"):
+        if sparse.policy in ("snapkv", "rkv"):   # every step: a graph cannot ask `remembering` (same slots as eager)
             layer.queries.index_copy_(2, self.ring, query)
             layer.query_pos.index_copy_(1, self.ring, self.now)
         span = slice(0, self.span)

@@ -185,10 +185,10 @@ def test_the_batch_search_allocates_under_a_fake_memory_limit(monkeypatch):
     fits 5 rows, SnapKV at budget 48 (+ interval 8 = 56 slots, 3584 bytes a row) 11: found by running the sampler."""
     real = kvcache.Layer.__init__
 
-    def limited(layer, key, capacity, *args):
+    def limited(layer, key, capacity, *args, **kwargs):
         if key.shape[0] * key.shape[1] * capacity * key.shape[3] * key.element_size() > 41000:
             raise torch.OutOfMemoryError("fake limit")
-        real(layer, key, capacity, *args)
+        real(layer, key, capacity, *args, **kwargs)
     monkeypatch.setattr(kvcache.Layer, "__init__", limited)
     s = dict(bench_gpu.TINY)
     model = bench_gpu.qwen3_model(s, torch.device("cpu"))

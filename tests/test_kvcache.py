@@ -192,25 +192,33 @@ def test_a_decode_step_attends_only_to_keys_before_its_query(policy, captured):
 @pytest.mark.parametrize("policy", ["snapkv", "rkv"])
 def test_queries_are_remembered_only_in_the_window_before_a_compression(monkeypatch, policy):
     # a compression scores with the last `window` (3) queries; a step more than 3 from every row's next one writes
-    # none. The rollout must equal one in which every step remembers its query (ragged rows fall due apart).
+    # none. The rollout must equal one in which every step remembers its query (ragged rows fall due apart), and
+    # each compression must find the same queries in the same slots of the ring, so that its scores sum them in
+    # the same order (as the captured step, which writes every step, does).
     model = tiny_model("llama")
     sparse = SparseConfig(policy, budget=8, interval=12, window=3, sink=2)
     prompts = [list(range(1, 21)), [3, 4, 5, 6, 7], list(range(9, 20))]
-    calls = []
+    calls, rings, compress = [], [], kvcache.compress
     monkeypatch.setattr(kvcache.Layer, "remember", lambda self, *a, _r=kvcache.Layer.remember: calls.append(1)
                         or _r(self, *a))
+    monkeypatch.setattr(kvcache, "compress", lambda layer, *a: rings.append((layer.queries.clone(),
+                        layer.query_pos.clone())) or compress(layer, *a))
     some = generate(model, prompts, sparse, max_new_tokens=40, temperature=1.0, seed=3)
-    written, start_step = len(calls), KVCache.start_step
+    written, some_rings, start_step = len(calls), rings[:], KVCache.start_step
 
     def always(self, positions):
         start_step(self, positions)
         self.remembering = True
     monkeypatch.setattr(KVCache, "start_step", always)
+    rings.clear()
     every = generate(model, prompts, sparse, max_new_tokens=40, temperature=1.0, seed=3)
     assert every.stats["compressions"] >= 3                              # the rows' compressions fall apart
     # 2 layers x 40 passes; each row needs 3 steps of its 12 and the 3 rows are out of step: at most 3/4
     assert len(calls) - written == 2 * 40 and written <= 2 * (1 + 39 * 3 / 4)
     assert torch.equal(some.tokens, every.tokens) and torch.equal(some.logprobs, every.logprobs)
+    assert len(some_rings) == len(rings) and all(torch.equal(a, b) for x, y in zip(some_rings, rings)
+                                                 for a, b in zip(x, y))
+
 
 @pytest.mark.parametrize("captured", [False, True])
 def test_every_sparse_layer_of_a_step_shares_one_page_plan(monkeypatch, captured):
