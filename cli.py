@@ -17,6 +17,8 @@ from models import CACHE_DIR, DTYPES, SMOLLM2
 from tasks import TASKS, TOY_TASKS, get_task
 
 # Defaults per kind of run, where no flag is given. Toy runs (no --model): tasks.TOY_TASKS, per task.
+# PAPER is Sparse-RL's cache and lr, but 512 new tokens, not its 4096: a first run on one GPU stays short
+# (--max-new-tokens 4096 for the paper's).
 PAPER = dict(budget=512, interval=128, window=8, sink=4, max_new_tokens=512, lr=1e-6, bin_size=128,  # Sparse-RL
              page_size=16, dense_layers=2)                                                         # Sparrow
 # --model smollm2-135m is the CPU demo: GSM8K prompts are 70-160 tokens, so budget 128 evicts within
