@@ -65,10 +65,11 @@ class StaticCache(KVCache):
 
     Device state of a static step (all allocated once, after the prefill):
     cursor  [1] long    the slot the step's new key is written to (every layer holds the same slots)
-    ring    [1] long    the window's slot for the step's query (SnapKV, R-KV)
+    ring    [1] long    the window's slot for the step's query (SnapKV, R-KV): `Layer.ring`'s device twin
     now     [B, 1]      the step's positions, copied in by `start_step`
-    pages   [B] long    blocktopk: pages attended per row at this step, from the host's choice; the step's
-                        `plan_pages` (policies.page_plan) is computed inside the graph from it
+    pages   [B] long    blocktopk: `KVCache.top` copied in (pages attended per row at this step); `k_pages`, a
+                        fixed bound on `top_k`, is the ranks a step gathers; the step's `plan_pages`
+                        (policies.page_plan) is computed inside the graph from them
     seen    per layer   with record=True: the positions the step attended, cloned into `history`
     The host keeps `Layer.size` and `Layer.ring` in step (`end_step`), so an eager step can follow,
     and sets `span` (an int: the slots a step reads), which changes every SPAN steps of a growing cache.
