@@ -167,7 +167,7 @@ def parse_args(argv=None):
                    "forward passes (smollm2-135m with --device cuda: bfloat16); bfloat16: under torch.autocast, the "
                    "weights and AdamW's state kept in fp32")
     args = p.parse_args(argv)
-    args.keep = args.keep or args.group_size
+    args.keep = args.group_size if args.keep is None else args.keep
     return args
 
 
@@ -190,8 +190,8 @@ def check_args(args):
     C.check_band(*args.band)
     if args.group_size < 2:
         raise ValueError(f"--group-size must be >= 2 (GRPO compares rollouts of one prompt), got {args.group_size}")
-    if not 1 <= args.keep <= args.group_size:
-        raise ValueError(f"--keep m must lie in [1, group size n={args.group_size}], got {args.keep}")
+    if not 2 <= args.keep <= args.group_size:   # one kept rollout has no group to compare with: advantage 0
+        raise ValueError(f"--keep m must lie in [2, group size n={args.group_size}], got {args.keep}")
     if args.model is None and args.data is not None:
         raise ValueError("--data needs --model (the toy model only knows the toy task's characters)")
     for path in (args.data, args.eval_data):

@@ -19,7 +19,8 @@ answer, function by function in the order of one training step:
     mask, reject_stats = rejection_mask(log_rho, rollouts.mask)
     weights = importance_weights(log_rho, rollouts.mask)
     advantages, adv_stats = group_advantages(rewards, group_size=8)
-    loss, loss_stats = policy_loss(response_logprobs(model, rollouts), logp_old, advantages, mask, weights)
+    loss, loss_stats = policy_loss(response_logprobs(model, rollouts), logp_old, advantages, mask, weights,
+                                   response_mask=rollouts.mask)   # the denominators: the tokens as sampled
 
 Every function is pure: tensors in, tensors (and a dict of plain-number stats) out.
 Shapes: N responses, T response tokens (right-padded), k top-k entries, V vocabulary.
@@ -301,9 +302,9 @@ def policy_loss(logp, logp_old, advantages, mask, weights=None, clip=0.2, clip_h
     is inactive there and the gradient is -w_t * A * grad log pi_theta; r_t moves away from 1 only
     on later updates of the same batch. rho (compression) and r (staleness) are separate ratios.
     Rejection removes tokens from the sum, never from the count: the denominators come from
-    `response_mask`, the responses as sampled (before rejection; default `mask`), as the authors'
-    code divides (slime, PODS). A vetoed response adds 0 and still counts, so vetoes do not
-    enlarge the step of the responses that remain (section 5):
+    `response_mask`, the responses as sampled (before rejection; default `mask`), as slime divides
+    today and PODS does (Sparse-RL's released code divided by the kept tokens: section 5). A vetoed
+    response adds 0 and still counts, so vetoes do not enlarge the step of the responses that remain:
       agg "seq-mean" (GRPO, Sparse-RL): sum_i [sum_t kept_it * L_it / n_i] / N, with n_i the
         tokens of response i and N every response given;
       agg "token-mean" (DAPO): sum_it kept_it * L_it / sum_i n_i.
@@ -329,7 +330,7 @@ def policy_loss(logp, logp_old, advantages, mask, weights=None, clip=0.2, clip_h
     kept = mask > 0
     A = advantages if advantages.ndim == 2 else advantages[:, None].expand_as(logp)
     # masked_fill (not multiply) before exp: padding may hold anything (even -inf) and its gradient
-    # is cut; the clamp of rho also keeps a very stale r finite.
+    # is cut; rho's clamp (LOG_RHO_CLAMP) also keeps a very stale r finite.
     log_r = (logp - logp_old.detach()).masked_fill(~kept, 0.0).clamp(-LOG_RHO_CLAMP, LOG_RHO_CLAMP)
     r = log_r.exp()
     r_clipped = r.clamp(1 - clip, 1 + (clip if clip_high is None else clip_high))

@@ -49,22 +49,24 @@ class LoRA(nn.Module):
     """A low-rank adapter phi on every linear layer of the model's decoder (not the output layer).
 
     Layer W (out x in) gets `W x + (alpha / rank) * B A x`, with A [rank, in] initialised as in
-    PEFT (Kaiming-uniform) and B [out, rank] zero, so the adapter starts as the identity. Off by
-    default: while off, the hooks return nothing and the model computes exactly its plain forward.
+    PEFT (Kaiming-uniform) and B [out, rank] zero, so the adapter starts as the identity. A is drawn from
+    its own generator seeded with `seed`, on the CPU: the same start whatever drew before it (a warm-up made
+    or found cached) and on any device. Off by default: while off, the hooks return nothing and the model
+    computes exactly its plain forward.
     """
 
-    def __init__(self, model, rank, alpha=ALPHA):
+    def __init__(self, model, rank, alpha=ALPHA, seed=0):
         super().__init__()
         if not isinstance(rank, int) or rank < 1:
             raise ValueError(f"the LoRA rank must be a positive integer, got {rank!r}")
         self.rank, self.scaling, self.active = rank, alpha / rank, False
         self.A, self.B, self.handles = nn.ParameterDict(), nn.ParameterDict(), []
+        generator = torch.Generator().manual_seed(seed)
         for name, linear in model.get_decoder().named_modules():
             if isinstance(linear, nn.Linear):
                 key = name.replace(".", "/")                            # "." is not allowed in a key
-                A = torch.empty(rank, linear.in_features, device=linear.weight.device)
-                nn.init.kaiming_uniform_(A, a=math.sqrt(5))
-                self.A[key] = nn.Parameter(A)
+                A = nn.init.kaiming_uniform_(torch.empty(rank, linear.in_features), a=math.sqrt(5), generator=generator)
+                self.A[key] = nn.Parameter(A.to(linear.weight.device))
                 self.B[key] = nn.Parameter(torch.zeros(linear.out_features, rank, device=linear.weight.device))
                 self.handles.append(linear.register_forward_hook(self.hook(key)))
 

@@ -120,20 +120,28 @@ def longest_prompt(args, train, held_out, tokenizer):
     return max(len(encode_prompt(tokenizer, e["prompt"])) for e in train + held_out)
 
 
+def step_seed(args, step):
+    """The one number all of a step's randomness comes from (its prompts, sampling, down-sampling, shuffles):
+    a function of (seed, step) alone, so a resumed run repeats it. 100_003 is over any step count, so no two
+    (seed, step) pairs meet."""
+    return args.seed * 100_003 + step
+
+
 def step_examples(args, train, step):
     """The prompts of one step; a function of (seed, step) only, so a resumed run sees the same ones."""
     if train is None:
-        return make_examples(args.task, args.prompts, args.seed * 100_003 + step, *args.digits)
-    return random.Random(args.seed * 100_003 + step).sample(train, args.prompts)
+        return make_examples(args.task, args.prompts, step_seed(args, step), *args.digits)
+    return random.Random(step_seed(args, step)).sample(train, args.prompts)
 
 
 # ----------------------------------------------------------------------------- one step
 
 def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, step, lora=None, lora_opt=None):
-    """Sample, score, correct and learn from one batch of prompts; returns the step's metrics.
+    """Sample, score, correct and learn from one batch of prompts (`examples`: P dicts {"prompt", "answer"}, each
+    sampled --group-size times); returns the step's metrics, one line of metrics.jsonl.
     With a DistillSparse `lora` adapter, the sampler is theta + phi, and phi learns after theta."""
     t0 = time.perf_counter()
-    seed = args.seed * 100_003 + step                                # all of a step's randomness: (seed, step)
+    seed = step_seed(args, step)
     group = [e for e in examples for _ in range(args.group_size)]      # n rollouts per prompt, consecutive
     with lora.on() if lora else nullcontext(), autocast(args.dtype, model.device):   # record: for phi's forward
         rollouts = generate(model, [encode_prompt(tokenizer, e["prompt"]) for e in group], sparse,
@@ -186,7 +194,8 @@ def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, st
 def update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, args, seed):
     """The learner: `--ppo-epochs` passes over the rollouts in shuffled minibatches of `--minibatch` (default all
     of them: one AdamW step per batch), each minibatch forward and backward `--micro-batch` rows at a time
-    with the gradients accumulated. -> (mean loss, mean clip fraction) over the AdamW steps."""
+    with the gradients accumulated. logp_old, mask, weights [N, T]; advantages [N]; logp_ref [N, T] or None.
+    -> (mean loss, mean clip fraction) over the AdamW steps."""
     order = torch.Generator().manual_seed(seed)                        # a new shuffle every epoch and step
     losses, clips = [], []
     model.train()
@@ -197,7 +206,7 @@ def update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, 
             # rejected ones included (correction.policy_loss): each micro-batch's part is its share of them
             size = lambda rows: len(rows) if args.agg == "seq-mean" else int((rollouts.mask[rows] > 0).sum())
             total = size(batch) or 1
-            step_loss, step_clip = 0.0, []
+            step_loss, step_clip = 0.0, 0.0
             for rows in batch.split(args.micro_batch):
                 with autocast(args.dtype, model.device):                 # the forward; backward outside
                     logp = C.response_logprobs(model, rollouts.select(rows), args.temperature)
@@ -208,12 +217,12 @@ def update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, 
                 share = size(rows) / total
                 (loss * share).backward()                            # this micro-batch's part of the mean
                 step_loss += loss.item() * share
-                step_clip.append(stats["clip_frac"])
+                step_clip += stats["clip_frac"] * share
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            opt.step()          # also with no signal (gradient 0): AdamW's momentum still moves the weights
             opt.zero_grad(set_to_none=True)
             losses.append(step_loss)
-            clips.append(float(np.mean(step_clip)))
+            clips.append(step_clip)
     model.eval()
     return float(np.mean(losses)), float(np.mean(clips))
 
@@ -274,7 +283,7 @@ def main(argv=None):
         for old in out.glob("step-*"):
             shutil.rmtree(old)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    lora = distill.LoRA(model, args.lora_rank) if args.distill != "off" else None
+    lora = distill.LoRA(model, args.lora_rank, seed=args.seed) if args.distill != "off" else None
     lora_opt = torch.optim.AdamW(lora.parameters(), lr=args.lr * args.lora_lr_scale, weight_decay=0.0) if lora else None
     if state:
         restore(state, ckpt, args, opt, lora, lora_opt, controller)
@@ -283,8 +292,9 @@ def main(argv=None):
             results = evaluate_only(model, tokenizer, held_out, reward, evals, args.max_new_tokens, lora)
         print(f"wall time: {time.time() - start_time:.1f} s")
         return model, results
-    for log in ("metrics.jsonl", "eval.jsonl"):
-        truncate_log(out / log, start if start else -1)               # a fresh start keeps no line
+    # a fresh start keeps no line; a resumed one its steps' lines, less the final evaluation, which it reruns
+    truncate_log(out / "metrics.jsonl", start if start else -1)
+    truncate_log(out / "eval.jsonl", min(start, args.steps - 1) if start else -1)
     print(f"rollouts: {sparse}; correction: {args.correction}; {args.prompts} prompts x {args.group_size} "
           f"rollouts (train on {args.keep}); {args.steps} steps on {device}")
 

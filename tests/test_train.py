@@ -104,7 +104,9 @@ def test_dense_grpo_raises_the_reward(tmp_path, warm):
 @pytest.mark.parametrize("argv, message", [
     (["--data", "missing.jsonl", "--model", "x/y"], "data file 'missing.jsonl' does not exist"),
     (["--group-size", "1"], "--group-size must be >= 2"),
-    (["--group-size", "4", "--keep", "6"], "--keep m must lie in \\[1, group size n=4\\], got 6"),
+    (["--group-size", "4", "--keep", "6"], "--keep m must lie in \\[2, group size n=4\\], got 6"),
+    (["--keep", "1"], "--keep m must lie in \\[2, group size n=8\\], got 1"),
+    (["--keep", "0"], "--keep m must lie in \\[2, group size n=8\\], got 0"),
     (["--model", "./no/such/folder"], "model './no/such/folder' is neither an existing folder, a GGUF file"),
     (["--model", "no/such.gguf"], "GGUF file 'no/such.gguf' does not exist"),
     (["--gguf-file", "m.gguf"], "--gguf-file 'm.gguf' needs --model"),
@@ -259,6 +261,8 @@ def test_resume_survives_a_half_written_line_and_reads_state_with_weights_only(t
                          "--lr", "3e-5")
     assert [l["step"] for l in lines] == [1, 2, 3]
     assert lines[1]["lr"] == 1e-5 and lines[2]["lr"] == 3e-5          # the --lr given on resume holds
+    run_in(tmp_path, warm, "--steps", "3", "--eval-every", "3", "--resume")   # resumed at its end: the final
+    assert (tmp_path / "eval.jsonl").read_text().count('"step": 3,') == 1     # evaluation is rerun, not repeated
     run_in(tmp_path, warm, "--steps", "1", "--eval-every", "1")        # fresh in the same folder: no old line kept,
     evals = [json.loads(l)["step"] for l in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert evals == [0, 1] and sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000001"]   # the end once
