@@ -301,6 +301,8 @@ class KVCache(Cache):
         self.row_tokens = self.context = 0     # [B] host tensors from the prefill on
         self.step_pos, self.padded, self.decoding, self.budget = None, False, False, sparse.budget
         self.compressions, self.peak_kv_tokens, self.dense_kv_tokens, self.bytes_per_slot = 0, 0, 0, 0
+        # start_step sets the rest, each forward pass: which rows compress (due, compressing, compress_args, keep_n,
+        # holes_after), whether the layers remember the query (remembering), block top-k's pages (top, top_k, plan_pages)
 
     def start_step(self, positions):
         """Announce the next forward pass: positions [B, q] of its tokens (-1 for padding).
