@@ -407,7 +407,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a tiny model, seconds instead of minutes")
     parser.add_argument("--gpu", action="store_true", help="the one-GPU bench instead (bench_gpu.py; --quick: tiny)")
     parser.add_argument("--out", default=None, help="the JSON record, its tables beside it as .md (default results/"
-                        "bench.json; bench_quick.json with --quick); with --gpu the markdown, the JSON beside it")
+                        "bench.json; bench_quick.json with --quick); with --gpu the markdown, the JSON beside it "
+                        "(default results/bench_gpu.md; bench_gpu_quick.md with --quick)")
     parser.add_argument("--repeats", type=int, default=None, help="rounds of the throughput runs (median)")
     parser.add_argument("--model", default=None, help="a pretrained model instead of the random one: HF "
                         "folder, hub id, GGUF file or smollm2-135m (see models.py); JSON: results/bench_<name>.json")

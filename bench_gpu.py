@@ -443,7 +443,7 @@ def main(args):
     s["stop_at"] = started + s["deadline"]   # the deadline as a moment, kept with the settings every table reads
     if device.type != "cuda" and not args.quick:
         raise SystemExit("bench.py --gpu: torch sees no GPU, and the 1.7B shape on a CPU takes hours (--quick: tiny)")
-    out = Path(args.out or "results/bench_gpu.md")
+    out = Path(args.out or ("results/bench_gpu_quick.md" if args.quick else "results/bench_gpu.md"))   # quick: not the record
     report, record = Report(out), dict(settings=s, rows={}, shape={}, rescore={}, batch={})
     machine = f"{bench.cpu_name()}, CUDA {torch.version.cuda}" if device.type == "cuda" else "CPU"
     machine += f", torch {torch.__version__}"

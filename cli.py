@@ -8,6 +8,7 @@ The toy tasks' own settings live in tasks.py (`TOY_TASKS`), below both this file
     args = parse_args(["--policy", "h2o", "--budget", "16"]); check_args(args)
 """
 import argparse
+import math
 from pathlib import Path
 
 import correction as C
@@ -154,7 +155,8 @@ def parse_args(argv=None):
                    "evaluate under each of these (none: --policy)")
     g.add_argument("--eval-budgets", type=int, nargs="+", metavar="B", help="with --steps 0: ... at each of these "
                    "budgets (none: --budget)")
-    g.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
+    g.add_argument("--save-every", type=int, help="checkpoint every N steps (and at the end); none: a quarter of "
+                   "--steps, at most 50, so that a short run on a real model keeps checkpoints too")
     g.add_argument("--seed", type=int, default=0, help="seeds the warm-up, the prompts and every step's sampling")
     g.add_argument("--out", default="out", help="output folder")
     g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out "
@@ -168,11 +170,16 @@ def parse_args(argv=None):
                    "weights and AdamW's state kept in fp32")
     args = p.parse_args(argv)
     args.keep = args.group_size if args.keep is None else args.keep
+    args.save_every = min(50, max(1, args.steps // 4)) if args.save_every is None else args.save_every
     return args
 
 
 def check_args(args):
     """Every bad value is one clear error line, before any model is built."""
+    for name, value in vars(args).items():                             # nan passes every `< 0` check below
+        for x in value if isinstance(value, list) else [value]:
+            if isinstance(x, float) and not math.isfinite(x):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {x}")
     for name in ["budget", "interval", "window", "bin_size", "max_new_tokens", "prompts", "ppo_epochs", "micro_batch",
                  "eval_every", "eval_size", "save_every", "lora_rank"]:
         if getattr(args, name) < 1:
@@ -187,6 +194,11 @@ def check_args(args):
     for name in ["lr", "clip", "cap", "lora_lr_scale"]:
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.seed >= 2 ** 32:                                           # step seeds are seed * 100_003 + step
+        raise ValueError(f"--seed must be < 2**32, got {args.seed}")
+    if args.steps > 0 and args.temperature == 0:
+        raise ValueError("--temperature 0 samples greedily: a prompt's rollouts are all the same and GRPO has no "
+                         "signal; training needs a temperature > 0")
     C.check_band(*args.band)
     if args.group_size < 2:
         raise ValueError(f"--group-size must be >= 2 (GRPO compares rollouts of one prompt), got {args.group_size}")

@@ -21,6 +21,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import correction as C
 from kvcache import SparseConfig
@@ -71,8 +72,8 @@ def eval_rewards(model, tokenizer, examples, reward, sparse, max_new_tokens, lor
 def eval_both(model, tokenizer, examples, reward, sparse, max_new_tokens, lora=None):
     """train.py's evaluation (a line of eval.jsonl, less its step): the accuracies (exact answers) and mean
     rewards (partial credit, on pick) with a full cache and through the rollout cache `sparse`."""
-    dense, sampled = (eval_rewards(model, tokenizer, examples, reward, c, max_new_tokens, lora)
-                      for c in (SparseConfig("full"), sparse))
+    caches = tqdm((SparseConfig("full"), sparse), desc="evaluate: dense, sparse", leave=False, dynamic_ncols=True)
+    dense, sampled = (eval_rewards(model, tokenizer, examples, reward, c, max_new_tokens, lora) for c in caches)
     return dict(dense=accuracy(dense), sparse=accuracy(sampled), dense_reward=dense.mean().item(),
                 sparse_reward=sampled.mean().item())
 
@@ -81,7 +82,7 @@ def evaluate_only(model, tokenizer, examples, reward, configs, max_new_tokens, l
     """train.py --steps 0: the greedy accuracy on the held-out prompts, dense and through each cache of
     `configs`; prints it as a markdown table and returns {name: accuracy}."""
     results = {}
-    for sparse in [SparseConfig("full"), *configs]:
+    for sparse in tqdm([SparseConfig("full"), *configs], desc="evaluate", leave=False, dynamic_ncols=True):
         name = "dense" if sparse.policy == "full" else f"{sparse.policy}, budget {sparse.budget}"
         results[name] = accuracy(eval_rewards(model, tokenizer, examples, reward, sparse, max_new_tokens, lora))
     print(f"\n| cache | greedy accuracy on {len(examples)} held-out prompts |\n|---|---|")

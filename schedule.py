@@ -405,6 +405,15 @@ def main(argv=None):
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if not 0.0 <= args.threshold <= 1.0:
         p.error(f"--threshold must lie in [0, 1], got {args.threshold}")
+    for name in ("bin_size", "interval", "window", "max_new_tokens", "page_size", "sink", "dense_layers"):
+        least = 0 if name in ("sink", "dense_layers") else 1
+        if getattr(args, name) is not None and getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
+    if args.speedup and not (args.calibrate and Path(args.speedup) == Path(args.out)):   # else: what it writes
+        try:
+            Schedule.load(args.speedup)                                # a bad file, named before a calibration
+        except ValueError as error:
+            p.error(str(error))
     if args.calibrate:
         try:
             candidates = sorted({int(c) for c in args.candidates.split(",")})
@@ -415,11 +424,12 @@ def main(argv=None):
             p.error(f"no toy warm-up or checkpoint in {args.model!r} (no warmup.json, no args.json): run "
                     "`python train.py` first (it makes out/warmup), or pass --model")
         warmup = json.loads(made[0].read_text())
+        if warmup.get("model"):
+            p.error(f"{args.model!r} was trained from --model {warmup['model']}: --calibrate takes the toy warm-up "
+                    "or a toy run's checkpoint (its prompts are the toy task's)")
         for name, value in TOY_TASKS[warmup["task"]].items():          # the run's settings where none given
             if getattr(args, name, 0) is None:
                 setattr(args, name, value)
-        if min(args.bin_size, args.max_new_tokens) < 1:
-            p.error(f"--bin-size and --max-new-tokens must be >= 1, got {args.bin_size}, {args.max_new_tokens}")
         try:   # the sampler's settings, with the smallest candidate as its budget
             sparse = SparseConfig(args.policy, interval=args.interval, window=args.window, sink=args.sink,
                                   page_size=args.page_size, dense_layers=args.dense_layers, budget=candidates[0])

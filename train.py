@@ -27,6 +27,7 @@ held-out prompts, dense and through the rollout cache: evaluate.py), checkpoints
 """
 import copy
 import json
+import os
 import random
 import shutil
 import sys
@@ -263,10 +264,13 @@ def main(argv=None):
         evals = [sparse_config(args, p, b) for p in args.eval_policies or [args.policy] if p != "full"
                  for b in args.eval_budgets or [args.budget]] if args.steps == 0 else []
         train, held_out = load_data(args)
+        ckpt = resume_point(args, out) if args.resume else None
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {str(out)!r} is a file, not a folder")
         out.mkdir(parents=True, exist_ok=True)
         torch.set_num_threads(threads(args))
         model, tokenizer = load_model(args, device)
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         sys.exit(f"error: {error}")
     if args.controller is not None:                                  # its bins: prompt + response, in tokens
         sparse = sparse_config(args, longest_prompt=longest_prompt(args, train, held_out, tokenizer))
@@ -274,14 +278,13 @@ def main(argv=None):
     controller = sparse.schedule if isinstance(sparse.schedule, S.Controller) else None
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl > 0 else None
     start, state = 0, {}
-    if args.resume and (ckpt := last_checkpoint(out)):
+    if ckpt:
         model, state = load_checkpoint(ckpt, device, torch.float32)
         start = state["step"]
         print(f"resuming from {ckpt} (step {start})")
     elif last_checkpoint(out) and args.steps > 0:
-        print(f"starting fresh in {out}: its checkpoints will be replaced (pass --resume to continue)")
-        for old in out.glob("step-*"):
-            shutil.rmtree(old)
+        print(f"starting fresh in {out}: the run there moves to {out / 'previous'} (--resume would continue it)")
+        set_aside(out)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     lora = distill.LoRA(model, args.lora_rank, seed=args.seed) if args.distill != "off" else None
     lora_opt = torch.optim.AdamW(lora.parameters(), lr=args.lr * args.lora_lr_scale, weight_decay=0.0) if lora else None
@@ -330,6 +333,38 @@ def main(argv=None):
     return model, final_eval
 
 
+def resume_point(args, out):
+    """The checkpoint --resume continues from: the last in `out`. A ValueError, before any model loads, where there
+    is none, where it was trained on another model, data or task (its args.json), or where --steps ends before it."""
+    ckpt = last_checkpoint(out)
+    if ckpt is None:
+        raise ValueError(f"--resume: no checkpoint step-NNNNNN in {str(out)!r}; run without --resume to start one")
+    saved = json.loads((ckpt / "args.json").read_text())
+    differ = [f"--{k.replace('_', '-')} {saved[k]!r} there, {getattr(args, k)!r} here"
+              for k in ("model", "data", "task", "digits") if k in saved and saved[k] != getattr(args, k)]
+    if differ:
+        raise ValueError(f"--resume: {ckpt} was trained with other settings ({'; '.join(differ)}); pass them as it "
+                         "was, or another --out")
+    step = int(ckpt.name[len("step-"):])
+    if 0 < args.steps < step:
+        raise ValueError(f"--steps {args.steps} ends before {ckpt.name}: nothing to train (--steps {step} reruns its "
+                         "final evaluation, more trains on)")
+    return ckpt
+
+
+def set_aside(out):
+    """A fresh start in a folder that holds a run: its checkpoints and logs move to <out>/previous (replacing an
+    older one there), so that a new run stopped early loses nothing of the last one. The move goes through a
+    temporary folder, renamed into place at the end."""
+    tmp = out / f"previous.tmp-{os.getpid()}"
+    tmp.mkdir()
+    for old in [*out.glob("step-*"), out / "metrics.jsonl", out / "eval.jsonl"]:
+        if old.exists():
+            old.rename(tmp / old.name)
+    shutil.rmtree(out / "previous", ignore_errors=True)
+    tmp.rename(out / "previous")
+
+
 def restore(state, ckpt, args, opt, lora, lora_opt, controller):
     """Put a checkpoint's trainer state back: the optimizers (at the command line's lr), the RNG, the
     adapter, the controller's budgets. A one-line exit where the checkpoint does not fit the run."""
@@ -370,7 +405,8 @@ def summary(out, first, last, history, sparse, seconds):
               f"({full / 1024:.0f} KiB)")
         print(f"the correction's rejection: {sum(m['vetoed'] for m in history)} responses vetoed, "
               f"{mean('dropped_tokens') / max(mean('tokens'), 1):.1%} of response tokens dropped")
-        print(f"training reward of the sparse rollouts: {mean('reward', history[:k]):.3f} over the first {k} steps, "
+        first_k = f"the first {k} steps" if history[0]["step"] == 1 else f"steps {history[0]['step']}-{history[k - 1]['step']}"
+        print(f"training reward of the sparse rollouts: {mean('reward', history[:k]):.3f} over {first_k}, "
               f"{mean('reward', history[-k:]):.3f} over the last {k}")
         print(f"mismatch: mean rho {mean('rho_mean'):.3f}, alpha p05 {mean('alpha_p05'):.3f} (mean over steps)")
         size, by_bin = history[-1]["bin_size"], [m["alpha_p05_by_bin"] for m in history[-k:]]
@@ -390,4 +426,9 @@ def summary(out, first, last, history, sparse, seconds):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:   # a Ctrl-C is no crash: say what is kept instead of a traceback
+        done = last_checkpoint(parse_args().out)
+        sys.exit("\ninterrupted: " + (f"{done} is the last checkpoint; the same command with --resume continues "
+                                      "from it" if done else "no checkpoint written yet"))

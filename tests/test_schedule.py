@@ -358,8 +358,10 @@ def test_calibrate_command_line_takes_device_and_dtype(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--candidates", "6,x"], "--candidates must be comma-separated integers, got '6,x'"),
     (["--threshold", "1.5"], "--threshold must lie in \\[0, 1\\], got 1.5"),
-    (["--bin-size", "0"], "--bin-size and --max-new-tokens must be >= 1, got 0, 12"),
-    (["--max-new-tokens", "0"], "--bin-size and --max-new-tokens must be >= 1, got 16, 0"),
+    (["--bin-size", "0"], "--bin-size must be >= 1, got 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--page-size", "0", "--speedup", "s.json"], "--page-size must be >= 1, got 0"),
+    (["--calibrate", "--speedup", "missing.json"], "cannot read a schedule from missing.json"),
     (["--prompts", "0"], "--prompts must be >= 1, got 0"),
     (["--policy", "full"], "invalid choice: 'full'"),
     (["--policy", "blocktopk", "--candidates", "3,8"],          # the toy's pages, as train.py's: 4 tokens
@@ -376,6 +378,15 @@ def test_the_command_line_refuses_bad_settings_before_loading_a_model(tmp_path, 
         S.main((["--calibrate"] if "--speedup" not in argv else []) + ["--model", str(tmp_path)] + argv)
     assert re.search(message, capsys.readouterr().err)
 
+
+
+def test_calibration_refuses_a_checkpoint_of_a_real_model(tmp_path, capsys):
+    # a --model run's args.json names the toy task too (the flag's default): its prompts are not the toy's
+    import json
+    (tmp_path / "args.json").write_text(json.dumps(dict(task="pick", digits=[3, 6], model="smollm2-135m")))
+    with pytest.raises(SystemExit):
+        S.main(["--calibrate", "--model", str(tmp_path)])
+    assert "was trained from --model smollm2-135m: --calibrate takes the toy warm-up" in capsys.readouterr().err
 
 def test_speedup_of_a_long_schedule_at_a_short_context_leaves_out_the_stretched_row(tmp_path, capsys):
     # stretched to fewer tokens than it spans, a schedule's bins would merge: that row is left out

@@ -107,6 +107,11 @@ def test_dense_grpo_raises_the_reward(tmp_path, warm):
     (["--group-size", "4", "--keep", "6"], "--keep m must lie in \\[2, group size n=4\\], got 6"),
     (["--keep", "1"], "--keep m must lie in \\[2, group size n=8\\], got 1"),
     (["--keep", "0"], "--keep m must lie in \\[2, group size n=8\\], got 0"),
+    (["--resume"], "--resume: no checkpoint step-NNNNNN in"),
+    (["--temperature", "0"], "--temperature 0 samples greedily"),
+    (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    (["--band", "0.5", "inf"], "--band must be a finite number, got inf"),
+    (["--seed", str(2 ** 32)], "--seed must be < 2\\*\\*32"),
     (["--model", "./no/such/folder"], "model './no/such/folder' is neither an existing folder, a GGUF file"),
     (["--model", "no/such.gguf"], "GGUF file 'no/such.gguf' does not exist"),
     (["--gguf-file", "m.gguf"], "--gguf-file 'm.gguf' needs --model"),
@@ -263,10 +268,24 @@ def test_resume_survives_a_half_written_line_and_reads_state_with_weights_only(t
     assert lines[1]["lr"] == 1e-5 and lines[2]["lr"] == 3e-5          # the --lr given on resume holds
     run_in(tmp_path, warm, "--steps", "3", "--eval-every", "3", "--resume")   # resumed at its end: the final
     assert (tmp_path / "eval.jsonl").read_text().count('"step": 3,') == 1     # evaluation is rerun, not repeated
+    for argv, message in ((["--steps", "2"], "--steps 2 ends before step-000003"),
+                          (["--task", "pick"], "--task 'sort' there, 'pick' here")):
+        with pytest.raises(SystemExit, match=message):                  # one line, before any model loads
+            train.main(SMALL + ["--out", str(tmp_path), "--resume", *argv])
     run_in(tmp_path, warm, "--steps", "1", "--eval-every", "1")        # fresh in the same folder: no old line kept,
     evals = [json.loads(l)["step"] for l in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert evals == [0, 1] and sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000001"]   # the end once
+    kept = tmp_path / "previous"                                       # the earlier run, set aside whole
+    assert (kept / "step-000003").is_dir() and len((kept / "metrics.jsonl").read_text().splitlines()) == 3
 
+
+
+def test_an_out_that_is_a_file_is_one_clear_line(tmp_path):
+    (tmp_path / "afile").write_text("")
+    for out, message in ((tmp_path / "afile", "--out '.*afile' is a file, not a folder"),
+                         (tmp_path / "afile" / "sub", "Not a directory")):
+        with pytest.raises(SystemExit, match=message):
+            train.main(["--out", str(out)])
 
 def test_a_data_file_smaller_than_the_held_out_split_is_refused(tmp_path):
     data = tmp_path / "small.jsonl"
