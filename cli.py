@@ -208,7 +208,7 @@ def check_args(args):
         raise ValueError("--data needs --model (the toy model only knows the toy task's characters)")
     for path in (args.data, args.eval_data):
         if path is not None and not Path(path).is_file():
-            raise ValueError(f"data file {path!r} does not exist")
+            raise ValueError(f"data file {path!r} " + ("is a folder, not a file" if Path(path).is_dir() else "does not exist"))
     if args.gguf_file and args.model is None:
         raise ValueError(f"--gguf-file {args.gguf_file!r} needs --model, the folder that holds it")
     if not 1 <= args.digits[0] <= args.digits[1]:
@@ -221,3 +221,6 @@ def check_args(args):
         raise ValueError("--distill trains an adapter for a sparse sampler; --policy full samples densely")
     if (args.eval_policies or args.eval_budgets) and args.steps > 0:
         raise ValueError("--eval-policies and --eval-budgets go with --steps 0 (evaluate only)")
+    if (args.schedule or args.controller is not None) and args.steps == 0:
+        raise ValueError("--schedule and --controller set the budgets of training's rollouts; --steps 0 evaluates "
+                         "fixed budgets (--eval-budgets)")

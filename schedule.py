@@ -86,7 +86,9 @@ class Schedule:
         try:
             data = json.loads(Path(path).read_text())
             return Schedule(data["bins"], data["budgets"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except KeyError as e:
+            raise ValueError(f"cannot read a schedule from {path}: no key {e} (it needs \"bins\" and \"budgets\")") from None
+        except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"cannot read a schedule from {path}: {e}") from None
 
 

@@ -312,10 +312,13 @@ def load_jsonl(path):
     if not path.is_file():
         raise ValueError(f"{path}: no such data file")
     examples = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if line.strip():
-                examples.append(_parse_line(line, f"{path}, line {number}"))
+    try:
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, start=1):
+                if line.strip():
+                    examples.append(_parse_line(line, f"{path}, line {number}"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start} of the file)") from None
     if not examples:
         raise ValueError(f"{path}: the file holds no examples")
     return examples
@@ -332,6 +335,8 @@ def _parse_line(line, where):
     if "prompt" not in record and "question" not in record:
         raise ValueError(f"{where}: missing key 'question' (or 'prompt')")
     key = "prompt" if "prompt" in record else "question"
+    if isinstance(record.get("answer"), (int, float)) and not isinstance(record["answer"], bool):
+        record["answer"] = str(record["answer"])                       # {"answer": 72}, as well as "... #### 72"
     for name in (key, "answer"):
         if name not in record:
             raise ValueError(f"{where}: missing key {name!r}")

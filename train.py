@@ -60,8 +60,11 @@ def sparse_config(args, policy=None, budget=None, longest_prompt=0):
     if policy is None and args.schedule:            # its budgets replace --budget, and each is checked instead
         return SparseConfig(args.policy, args.budget, args.interval, args.window, args.sink, page_size=args.page_size,
                             dense_layers=args.dense_layers, schedule=S.Schedule.load(args.schedule))
-    fixed = SparseConfig(policy or args.policy, args.budget if budget is None else budget, args.interval, args.window,
-                         args.sink, page_size=args.page_size, dense_layers=args.dense_layers)
+    try:
+        fixed = SparseConfig(policy or args.policy, args.budget if budget is None else budget, args.interval,
+                             args.window, args.sink, page_size=args.page_size, dense_layers=args.dense_layers)
+    except ValueError as error:   # an evaluation's cache: name the flags that made it
+        raise ValueError(f"--eval-policies {policy} --eval-budgets {budget}: {error}" if policy else error) from None
     if policy is not None:
         return fixed
     if args.controller is not None:

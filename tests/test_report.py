@@ -130,7 +130,7 @@ def test_running_mean_and_variant_names():
 def test_bad_input_is_one_clear_line_before_any_model_is_loaded(runs, tmp_path, monkeypatch, extra, message):
     (tmp_path / "NOT-A-RUN").mkdir()
     (tmp_path / "STEPLESS").mkdir()
-    (tmp_path / "STEPLESS" / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"reward": 0.5}\n')
+    (tmp_path / "STEPLESS" / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"reward": 0.5}\n{"ste')
     (tmp_path / "STEPLESS" / "eval.jsonl").write_text('{"step": 0, "dense": 0.5}\n')
     extra = [runs[0] + "/" if e == "TWICE" else str(tmp_path / e) if e.isupper() else e for e in extra]
     monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))

@@ -335,6 +335,8 @@ def test_schedule_files_round_trip_and_bad_files_are_named(tmp_path):
     for name in ("bad.json", "keys.json", "missing.json"):
         with pytest.raises(ValueError, match=f"cannot read a schedule from .*{name}"):
             Schedule.load(tmp_path / name)
+    with pytest.raises(ValueError, match="no key 'budgets'"):
+        Schedule.load(tmp_path / "keys.json")
 
 
 def test_calibrate_command_line_takes_device_and_dtype(tmp_path, capsys):

@@ -298,7 +298,8 @@ GOOD = json.dumps({"question": "q", "answer": "#### 1"})
     ('{"answer": "#### 1"}', "missing key 'question'"),
     ('{"question": "q"}', "missing key 'answer'"),
     ('{"prompt": "q"}', "missing key 'answer'"),
-    ('{"question": "q", "answer": 72}', "'answer' must be a string"),
+    ('{"question": "q", "answer": [72]}', "'answer' must be a string"),
+    ('{"question": "q", "answer": true}', "'answer' must be a string"),
     ('{"prompt": ["q"], "answer": "1"}', "'prompt' must be a string"),
     ('{"question": "q", "answer": "so it is\\n#### seventy"}', "not a number"),
     ('{"prompt": "q", "answer": ""}', "not a number"),
@@ -314,6 +315,13 @@ def test_malformed_line_names_file_and_line(tmp_path, bad, reason):
     message = str(error.value)
     assert str(path) in message and "line 3" in message and reason in message
 
+
+def test_a_numeric_answer_is_read_and_a_file_not_in_utf8_is_named(tmp_path):
+    path = write(tmp_path / "n.jsonl", ['{"question": "q", "answer": 72}', '{"prompt": "p", "answer": -2.5}'])
+    assert [e["answer"] for e in load_jsonl(path)] == ["72", "-2.5"]
+    (tmp_path / "latin.jsonl").write_bytes('{"question": "caf\u00e9?", "answer": "1"}'.encode("latin-1"))
+    with pytest.raises(ValueError, match="latin.jsonl: not UTF-8 text"):
+        load_jsonl(tmp_path / "latin.jsonl")
 
 @pytest.mark.parametrize("content", ["", "\n  \n"])
 def test_empty_file_is_an_error(tmp_path, content):
