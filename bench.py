@@ -417,9 +417,17 @@ def main(argv=None):
         parser.error("--quick runs the tiny random model; it cannot be combined with --model")
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.out and Path(args.out).is_dir():                        # found now, not after the whole bench
+        parser.error(f"--out {args.out!r} is a folder; give a file name")
     if args.gpu:   # imported here, not at the top: bench_gpu builds on this module
         import bench_gpu
         return bench_gpu.main(args)
+    out = args.out or ("results/bench_quick.json" if args.quick else
+                       f"results/bench_{Path(args.model).stem}.json" if args.model else "results/bench.json")
+    try:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    except OSError as error:
+        parser.error(f"--out {out!r}: {error}")
     s = dict(QUICK) if args.quick else dict(PRETRAINED, model=args.model) if args.model else dict(FULL)
     s["repeats"] = args.repeats or s["repeats"]
     wall = time.perf_counter()
@@ -446,9 +454,6 @@ def main(argv=None):
     text, record = report(s, results, long, scale, over, lim, time.perf_counter() - wall, machine)
     record["table"] = text
     print(text)
-    out = args.out or ("results/bench_quick.json" if args.quick else
-                       f"results/bench_{Path(args.model).stem}.json" if args.model else "results/bench.json")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(record, f, indent=1, default=str)
     stem = os.path.splitext(out)[0]

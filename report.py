@@ -394,7 +394,6 @@ def runs(args):
         groups.setdefault(variant_of(folder), []).append(log)
     for folder, plan in zip(args.folders, tqdm(plans, desc="final models", dynamic_ncols=True, disable=not plans)):
         robust.setdefault(variant_of(folder), []).append(robust_accuracy(*plan, device))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     plot(groups, args.out)
     return report_text(groups, args.robust_budgets, robust)
 
@@ -476,8 +475,10 @@ def main(argv=None):
     args = parse_args(argv)
     start = time.time()
     try:
+        if getattr(args, "out", None):                                 # a bad --out, found before the work
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         table = dict(inference=inference, runs=runs, keeps=keeps)[args.command](args)
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         sys.exit(f"error: {error}")
     text = (f"`python report.py {' '.join(sys.argv[1:] if argv is None else argv)}`, "
             f"wall time {(time.time() - start) / 60:.1f} min\n\n{table}")

@@ -432,6 +432,10 @@ def main(argv=None):
         for name, value in TOY_TASKS[warmup["task"]].items():          # the run's settings where none given
             if getattr(args, name, 0) is None:
                 setattr(args, name, value)
+        try:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)   # a bad --out, found before the work
+        except OSError as error:
+            p.error(f"--out {args.out!r}: {error}")
         try:   # the sampler's settings, with the smallest candidate as its budget
             sparse = SparseConfig(args.policy, interval=args.interval, window=args.window, sink=args.sink,
                                   page_size=args.page_size, dense_layers=args.dense_layers, budget=candidates[0])

@@ -228,3 +228,10 @@ def test_no_share_of_a_gain_within_the_noise(tmp_path):
     rows = {r[0]: r for r in report.comparison_rows(groups)}
     assert rows["base"][8] == "-" and rows["other"][8] == "-"
     assert rows["other"][7] == "0.200 ± 0.000"
+
+
+def test_an_out_under_a_file_is_one_clear_line_before_the_work(tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(report, "keeps", lambda args: pytest.fail("the work started"))
+    with pytest.raises(SystemExit, match="^error: .*File exists"):
+        report.main(["keeps", "--out", str(tmp_path / "afile" / "k.png")])

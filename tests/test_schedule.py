@@ -427,3 +427,12 @@ def test_tail_by_bin_returns_float64_tails_computed_in_float64_and_long_counts()
     a0, a1 = alpha.tolist()
     assert tails.item() == pytest.approx(a0 + 0.3 * (a1 - a0), rel=1e-12)
     assert tails.item() != pytest.approx(torch.quantile(alpha, 0.3).item(), rel=1e-12)   # float32 is off here
+
+
+def test_an_out_under_a_file_is_refused_before_calibrating(tmp_path, capsys):
+    import json
+    (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4])))   # no weights: no model loads
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit):
+        S.main(["--calibrate", "--model", str(tmp_path), "--out", str(tmp_path / "afile" / "s.json")])
+    assert "--out" in capsys.readouterr().err
