@@ -92,10 +92,15 @@ class LoRA(nn.Module):
 
     @staticmethod
     def from_file(model, path):
-        """The adapter saved at `path` (its rank read from the file), attached to `model`."""
-        saved = load_file(str(path))
-        lora = LoRA(model, rank=next(v.shape[0] for k, v in saved.items() if k.startswith("A.")))
-        lora.load(path)
+        """The adapter saved at `path` (its rank read from the file), attached to `model`; a ValueError naming the
+        file where it is no adapter of this model."""
+        try:
+            saved = load_file(str(path))
+            lora = LoRA(model, rank=next(v.shape[0] for k, v in saved.items() if k.startswith("A.")))
+            lora.load(path)
+        except Exception as error:   # safetensors' own error type, a missing key, another model's shapes
+            raise ValueError(f"{path} is not a DistillSparse adapter of this model (adapter.safetensors of a "
+                             f"train.py --distill checkpoint): {type(error).__name__}: {error}") from None
         return lora
 
     def load(self, path):

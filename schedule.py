@@ -432,6 +432,8 @@ def main(argv=None):
         for name, value in TOY_TASKS[warmup["task"]].items():          # the run's settings where none given
             if getattr(args, name, 0) is None:
                 setattr(args, name, value)
+        if args.adapter and not Path(args.adapter).is_file():
+            p.error(f"--adapter {args.adapter!r}: no such file")
         try:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)   # a bad --out, found before the work
         except OSError as error:
@@ -444,9 +446,9 @@ def main(argv=None):
         try:
             device = pick_device(args.device)
             model, tok = load_pretrained(args.model, device=device)
+            adapter = distill.LoRA.from_file(model, args.adapter) if args.adapter else None
         except ValueError as error:
             p.error(str(error))
-        adapter = distill.LoRA.from_file(model, args.adapter) if args.adapter else None
         examples = tasks.make_examples(warmup["task"], args.prompts, 0, *warmup["digits"])
         prompts = [tasks.encode_prompt(tok, e["prompt"]) for e in examples]
         with autocast(args.dtype, device):

@@ -109,6 +109,11 @@ def test_an_adapter_file_brings_back_its_rank_and_weights(tmp_path):
     ids = torch.tensor([PROMPTS[0]])
     with torch.no_grad(), lora.on(), again.on():
         assert again.rank == 3 and torch.equal(fresh(ids).logits, model(ids).logits)
+    (tmp_path / "notes.txt").write_text("not an adapter")                       # a wrong file, another model's
+    for path, other in ((tmp_path / "notes.txt", fresh), (tmp_path / "adapter.safetensors", tiny_model("llama",
+                                                                                              num_hidden_layers=4))):
+        with pytest.raises(ValueError, match=f"{path.name} is not a DistillSparse adapter of this model"):
+            distill.LoRA.from_file(other, path)
 
 
 @pytest.mark.parametrize("policy", list(CONFIGS))
