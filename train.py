@@ -343,8 +343,9 @@ def resume_point(args, out):
     if ckpt is None:
         raise ValueError(f"--resume: no checkpoint step-NNNNNN in {str(out)!r}; run without --resume to start one")
     saved = json.loads((ckpt / "args.json").read_text())
+    same = lambda k, a, b: a == b or (k == "data" and a and b and Path(a).name == Path(b).name)   # moved clone
     differ = [f"--{k.replace('_', '-')} {saved[k]!r} there, {getattr(args, k)!r} here"
-              for k in ("model", "data", "task", "digits") if k in saved and saved[k] != getattr(args, k)]
+              for k in ("model", "data", "task", "digits") if k in saved and not same(k, saved[k], getattr(args, k))]
     if differ:
         raise ValueError(f"--resume: {ckpt} was trained with other settings ({'; '.join(differ)}); pass them as it "
                          "was, or another --out")
@@ -408,7 +409,8 @@ def summary(out, first, last, history, sparse, seconds):
               f"({full / 1024:.0f} KiB)")
         print(f"the correction's rejection: {sum(m['vetoed'] for m in history)} responses vetoed, "
               f"{mean('dropped_tokens') / max(mean('tokens'), 1):.1%} of response tokens dropped")
-        first_k = f"the first {k} steps" if history[0]["step"] == 1 else f"steps {history[0]['step']}-{history[k - 1]['step']}"
+        first_k = (f"the first {k} steps" if history[0]["step"] == 1 else          # a resumed run's first steps
+                   f"steps {history[0]['step']}-{history[k - 1]['step']}")
         print(f"training reward of the sparse rollouts: {mean('reward', history[:k]):.3f} over {first_k}, "
               f"{mean('reward', history[-k:]):.3f} over the last {k}")
         print(f"mismatch: mean rho {mean('rho_mean'):.3f}, alpha p05 {mean('alpha_p05'):.3f} (mean over steps)")
