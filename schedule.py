@@ -402,15 +402,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not (args.calibrate or args.speedup):
         p.error("give --calibrate and/or --speedup SCHEDULE.json")
-    for name in ("prompts", "context", "batch"):                       # every check before any model loads
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if not 0.0 <= args.threshold <= 1.0:
+    if not 0.0 <= args.threshold <= 1.0:                               # every check before any model loads
         p.error(f"--threshold must lie in [0, 1], got {args.threshold}")
-    for name in ("bin_size", "interval", "window", "max_new_tokens", "page_size", "sink", "dense_layers"):
-        least = 0 if name in ("sink", "dense_layers") else 1
-        if getattr(args, name) is not None and getattr(args, name) < least:
-            p.error(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
+    for name in ("prompts", "context", "batch", "bin_size", "interval", "window", "max_new_tokens", "page_size",
+                 "sink", "dense_layers"):                              # None: as train.py sets it
+        least, value = (0 if name in ("sink", "dense_layers") else 1), getattr(args, name)
+        if value is not None and value < least:
+            p.error(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
     if args.speedup and not (args.calibrate and Path(args.speedup) == Path(args.out)):   # else: what it writes
         try:
             Schedule.load(args.speedup)                                # a bad file, named before a calibration
