@@ -417,7 +417,7 @@ def main(argv=None):
         parser.error("--quick runs the tiny random model; it cannot be combined with --model")
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.out and Path(args.out).is_dir():                        # found now, not after the whole bench
+    if args.out and (Path(args.out).is_dir() or args.out.endswith(("/", os.sep))):   # now, not after the bench
         parser.error(f"--out {args.out!r} is a folder; give a file name")
     if args.gpu:   # imported here, not at the top: bench_gpu builds on this module
         import bench_gpu

@@ -432,6 +432,8 @@ def main(argv=None):
                 setattr(args, name, value)
         if args.adapter and not Path(args.adapter).is_file():
             p.error(f"--adapter {args.adapter!r}: no such file")
+        if Path(args.out).is_dir():
+            p.error(f"--out {args.out!r} is a folder; give a file name")
         try:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)   # a bad --out, found before the work
         except OSError as error:

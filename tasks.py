@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -336,7 +337,9 @@ def _parse_line(line, where):
         raise ValueError(f"{where}: missing key 'question' (or 'prompt')")
     key = "prompt" if "prompt" in record else "question"
     if isinstance(record.get("answer"), (int, float)) and not isinstance(record["answer"], bool):
-        record["answer"] = str(record["answer"])                       # {"answer": 72}, as well as "... #### 72"
+        # {"answer": 72}, as well as "... #### 72"; a float in positional notation (1e16 -> "10000000000000000")
+        record["answer"] = np.format_float_positional(record["answer"], trim="-") if isinstance(
+            record["answer"], float) else str(record["answer"])
     for name in (key, "answer"):
         if name not in record:
             raise ValueError(f"{where}: missing key {name!r}")

@@ -27,7 +27,6 @@ held-out prompts, dense and through the rollout cache: evaluate.py), checkpoints
 """
 import copy
 import json
-import os
 import random
 import shutil
 import sys
@@ -286,8 +285,7 @@ def main(argv=None):
         start = state["step"]
         print(f"resuming from {ckpt} (step {start})")
     elif last_checkpoint(out) and args.steps > 0:
-        print(f"starting fresh in {out}: the run there moves to {out / 'previous'} (--resume would continue it)")
-        set_aside(out)
+        print(f"starting fresh in {out}: the run there moves to {set_aside(out)} (--resume would have continued it)")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     lora = distill.LoRA(model, args.lora_rank, seed=args.seed) if args.distill != "off" else None
     lora_opt = torch.optim.AdamW(lora.parameters(), lr=args.lr * args.lora_lr_scale, weight_decay=0.0) if lora else None
@@ -336,19 +334,30 @@ def main(argv=None):
     return model, final_eval
 
 
+RUN_KEYS = ("model", "data", "eval_data", "task", "digits", "seed", "warmup_steps")   # what makes a run that run
+
+
 def resume_point(args, out):
     """The checkpoint --resume continues from: the last in `out`. A ValueError, before any model loads, where there
-    is none, where it was trained on another model, data or task (its args.json), or where --steps ends before it."""
+    is none, where it was made by another run (RUN_KEYS differ in its args.json), or where --steps ends before it.
+    Other settings may change on resume (a new --lr, --policy, ...): each difference is printed."""
     ckpt = last_checkpoint(out)
     if ckpt is None:
-        raise ValueError(f"--resume: no checkpoint step-NNNNNN in {str(out)!r}; run without --resume to start one")
+        earlier = sorted(p.name for p in out.glob("previous-*"))
+        raise ValueError(f"--resume: no checkpoint step-NNNNNN in {str(out)!r}; run without --resume to start one"
+                         + (f" (earlier runs: {', '.join(earlier)})" if earlier else ""))
     saved = json.loads((ckpt / "args.json").read_text())
-    same = lambda k, a, b: a == b or (k == "data" and a and b and Path(a).name == Path(b).name)   # moved clone
+    # a data file is the same one at the same path, or (the clone moved, the path is gone) by the same name
+    same = lambda k, a, b: a == b or (k in ("data", "eval_data") and a and b and not Path(a).exists()
+                                      and Path(a).name == Path(b).name)
     differ = [f"--{k.replace('_', '-')} {saved[k]!r} there, {getattr(args, k)!r} here"
-              for k in ("model", "data", "task", "digits") if k in saved and not same(k, saved[k], getattr(args, k))]
-    if differ:
-        raise ValueError(f"--resume: {ckpt} was trained with other settings ({'; '.join(differ)}); pass them as it "
-                         "was, or another --out")
+              for k in saved if k != "resume" and k in vars(args) and not same(k, saved[k], getattr(args, k))]
+    refused = [d for d in differ if d[2:].split(" ")[0].replace("-", "_") in RUN_KEYS]
+    if refused:
+        raise ValueError(f"--resume: {ckpt} was made by another run ({'; '.join(refused)}); pass its settings, or "
+                         "another --out")
+    for line in differ:
+        print(f"resuming with a setting of its own: {line}")
     step = int(ckpt.name[len("step-"):])
     if 0 < args.steps < step:
         raise ValueError(f"--steps {args.steps} ends before {ckpt.name}: nothing to train (--steps {step} reruns its "
@@ -357,16 +366,16 @@ def resume_point(args, out):
 
 
 def set_aside(out):
-    """A fresh start in a folder that holds a run: its checkpoints and logs move to <out>/previous (replacing an
-    older one there), so that a new run stopped early loses nothing of the last one. The move goes through a
-    temporary folder, renamed into place at the end."""
-    tmp = out / f"previous.tmp-{os.getpid()}"
-    tmp.mkdir()
+    """A fresh start in a folder that holds a run: its checkpoints and logs move to <out>/previous-N, the next free
+    N, so that no restart, stopped early or not, costs an earlier run (delete them by hand). Each move is a rename:
+    stopped halfway, every piece is still in `out` or in that folder. -> the folder."""
+    n = 1 + max([int(p.name.split("-")[1]) for p in out.glob("previous-*") if p.name.split("-")[1].isdigit()],
+                default=0)
+    (out / f"previous-{n}").mkdir()
     for old in [*out.glob("step-*"), out / "metrics.jsonl", out / "eval.jsonl"]:
         if old.exists():
-            old.rename(tmp / old.name)
-    shutil.rmtree(out / "previous", ignore_errors=True)
-    tmp.rename(out / "previous")
+            old.rename(out / f"previous-{n}" / old.name)
+    return out / f"previous-{n}"
 
 
 def restore(state, ckpt, args, opt, lora, lora_opt, controller):
@@ -434,6 +443,9 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:   # a Ctrl-C is no crash: say what is kept instead of a traceback
-        done = last_checkpoint(parse_args().out)
+        try:                    # a checkpoint this command can continue (not another run's, left in --out)
+            done = resume_point(parse_args(), Path(parse_args().out))
+        except (ValueError, OSError):
+            done = None
         sys.exit("\ninterrupted: " + (f"{done} is the last checkpoint; the same command with --resume continues "
                                       "from it" if done else "no checkpoint written yet"))

@@ -229,7 +229,8 @@ def test_bad_flags_are_one_error_line_before_any_timing(monkeypatch, capsys, arg
 
 def test_an_out_that_cannot_be_written_is_refused_before_the_bench_runs(tmp_path, capsys):
     (tmp_path / "afile").write_text("")
-    for out, message in ((tmp_path, "is a folder; give a file name"), (tmp_path / "afile" / "b.json", "File exists")):
+    for out, message in ((tmp_path, "is a folder; give a file name"), (f"{tmp_path}/new/", "is a folder"),
+                         (tmp_path / "afile" / "b.json", "File exists")):
         with pytest.raises(SystemExit):
             bench.main(["--quick", "--out", str(out)])
         assert message in capsys.readouterr().err

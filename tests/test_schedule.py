@@ -433,6 +433,7 @@ def test_an_out_under_a_file_is_refused_before_calibrating(tmp_path, capsys):
     import json
     (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4])))   # no weights: no model loads
     (tmp_path / "afile").write_text("")
-    with pytest.raises(SystemExit):
-        S.main(["--calibrate", "--model", str(tmp_path), "--out", str(tmp_path / "afile" / "s.json")])
-    assert "--out" in capsys.readouterr().err
+    for out in (tmp_path / "afile" / "s.json", tmp_path):                # under a file; a folder
+        with pytest.raises(SystemExit):
+            S.main(["--calibrate", "--model", str(tmp_path), "--out", str(out)])
+        assert "--out" in capsys.readouterr().err

@@ -273,14 +273,17 @@ def test_resume_survives_a_half_written_line_and_reads_state_with_weights_only(t
     run_in(tmp_path, warm, "--steps", "3", "--eval-every", "3", "--resume")   # resumed at its end: the final
     assert (tmp_path / "eval.jsonl").read_text().count('"step": 3,') == 1     # evaluation is rerun, not repeated
     for argv, message in ((["--steps", "2"], "--steps 2 ends before step-000003"),
-                          (["--task", "pick"], "--task 'sort' there, 'pick' here")):
+                          (["--task", "pick"], "--task 'sort' there, 'pick' here"),
+                          (["--seed", "3"], "made by another run \\(--seed 0 there, 3 here\\)")):
         with pytest.raises(SystemExit, match=message):                  # one line, before any model loads
             train.main(SMALL + ["--out", str(tmp_path), "--resume", *argv])
     run_in(tmp_path, warm, "--steps", "1", "--eval-every", "1")        # fresh in the same folder: no old line kept,
     evals = [json.loads(l)["step"] for l in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert evals == [0, 1] and sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000001"]   # the end once
-    kept = tmp_path / "previous"                                       # the earlier run, set aside whole
+    kept = tmp_path / "previous-1"                                     # the earlier run, set aside whole
     assert (kept / "step-000003").is_dir() and len((kept / "metrics.jsonl").read_text().splitlines()) == 3
+    run_in(tmp_path, warm, "--steps", "1", "--eval-every", "1")         # and again: the first stays, numbered
+    assert (kept / "step-000003").is_dir() and (tmp_path / "previous-2" / "step-000001").is_dir()
 
 
 
