@@ -28,7 +28,6 @@ held-out prompts, dense and through the rollout cache: evaluate.py), checkpoints
 import copy
 import json
 import random
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -350,14 +349,13 @@ def resume_point(args, out):
     # a data file is the same one at the same path, or (the clone moved, the path is gone) by the same name
     same = lambda k, a, b: a == b or (k in ("data", "eval_data") and a and b and not Path(a).exists()
                                       and Path(a).name == Path(b).name)
-    differ = [f"--{k.replace('_', '-')} {saved[k]!r} there, {getattr(args, k)!r} here"
-              for k in saved if k != "resume" and k in vars(args) and not same(k, saved[k], getattr(args, k))]
-    refused = [d for d in differ if d[2:].split(" ")[0].replace("-", "_") in RUN_KEYS]
-    if refused:
+    keys = [k for k in saved if k != "resume" and k in vars(args) and not same(k, saved[k], getattr(args, k))]
+    said = lambda k: f"--{k.replace('_', '-')} {saved[k]!r} there, {getattr(args, k)!r} here"
+    if refused := [said(k) for k in keys if k in RUN_KEYS]:
         raise ValueError(f"--resume: {ckpt} was made by another run ({'; '.join(refused)}); pass its settings, or "
                          "another --out")
-    for line in differ:
-        print(f"resuming with a setting of its own: {line}")
+    for k in keys:
+        print(f"resuming with a setting of its own: {said(k)}")
     step = int(ckpt.name[len("step-"):])
     if 0 < args.steps < step:
         raise ValueError(f"--steps {args.steps} ends before {ckpt.name}: nothing to train (--steps {step} reruns its "
@@ -444,7 +442,8 @@ if __name__ == "__main__":
         main()
     except KeyboardInterrupt:   # a Ctrl-C is no crash: say what is kept instead of a traceback
         try:                    # a checkpoint this command can continue (not another run's, left in --out)
-            done = resume_point(parse_args(), Path(parse_args().out))
+            args = parse_args()
+            done = resume_point(args, Path(args.out))
         except (ValueError, OSError):
             done = None
         sys.exit("\ninterrupted: " + (f"{done} is the last checkpoint; the same command with --resume continues "
