@@ -374,7 +374,8 @@ def speedup(config, schedule, context, prompt=0, stride=64, **kwargs):
 
 # ----------------------------------------------------------------------------- command line
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The command line, every check made before any model loads -> (args, parser)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("calibrate (Sparrow's offline profiling); the sampler's settings default to "
@@ -402,32 +403,33 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not (args.calibrate or args.speedup):
         p.error("give --calibrate and/or --speedup SCHEDULE.json")
-    if not 0.0 <= args.threshold <= 1.0:                               # every check before any model loads
+    if not 0.0 <= args.threshold <= 1.0:
         p.error(f"--threshold must lie in [0, 1], got {args.threshold}")
     for name in ("prompts", "context", "batch", "bin_size", "interval", "window", "max_new_tokens", "page_size",
                  "sink", "dense_layers"):                              # None: as train.py sets it
         least, value = (0 if name in ("sink", "dense_layers") else 1), getattr(args, name)
         if value is not None and value < least:
             p.error(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    args.schedule = None                                               # the --speedup schedule, read once
     if args.speedup and not (args.calibrate and Path(args.speedup) == Path(args.out)):   # else: what it writes
         try:
-            Schedule.load(args.speedup)                                # a bad file, named before a calibration
+            args.schedule = Schedule.load(args.speedup)                # a bad file, named before a calibration
         except ValueError as error:
             p.error(str(error))
     if args.calibrate:
         try:
-            candidates = sorted({int(c) for c in args.candidates.split(",")})
+            args.candidates = sorted({int(c) for c in args.candidates.split(",")})
         except ValueError:
             p.error(f"--candidates must be comma-separated integers, got {args.candidates!r}")
         made = [f for f in (Path(args.model, "warmup.json"), Path(args.model, "args.json")) if f.is_file()]
         if not made:
             p.error(f"no toy warm-up or checkpoint in {args.model!r} (no warmup.json, no args.json): run "
                     "`python train.py` first (it makes out/warmup), or pass --model")
-        warmup = json.loads(made[0].read_text())
-        if warmup.get("model"):
-            p.error(f"{args.model!r} was trained from --model {warmup['model']}: --calibrate takes the toy warm-up "
-                    "or a toy run's checkpoint (its prompts are the toy task's)")
-        for name, value in TOY_TASKS[warmup["task"]].items():          # the run's settings where none given
+        args.warmup = json.loads(made[0].read_text())
+        if args.warmup.get("model"):
+            p.error(f"{args.model!r} was trained from --model {args.warmup['model']}: --calibrate takes the toy "
+                    "warm-up or a toy run's checkpoint (its prompts are the toy task's)")
+        for name, value in TOY_TASKS[args.warmup["task"]].items():     # the run's settings where none given
             if getattr(args, name, 0) is None:
                 setattr(args, name, value)
         if args.adapter and not Path(args.adapter).is_file():
@@ -439,65 +441,80 @@ def main(argv=None):
         except OSError as error:
             p.error(f"--out {args.out!r}: {error}")
         try:   # the sampler's settings, with the smallest candidate as its budget
-            sparse = SparseConfig(args.policy, interval=args.interval, window=args.window, sink=args.sink,
-                                  page_size=args.page_size, dense_layers=args.dense_layers, budget=candidates[0])
+            args.sparse = SparseConfig(args.policy, interval=args.interval, window=args.window, sink=args.sink,
+                                       page_size=args.page_size, dense_layers=args.dense_layers,
+                                       budget=args.candidates[0])
         except ValueError as error:
             p.error(f"{error} (the budget: the smallest of --candidates)")
-        try:
-            device = pick_device(args.device)
-            model, tok = load_pretrained(args.model, device=device)
-            adapter = distill.LoRA.from_file(model, args.adapter) if args.adapter else None
-        except ValueError as error:
-            p.error(str(error))
-        examples = tasks.make_examples(warmup["task"], args.prompts, 0, *warmup["digits"])
-        prompts = [tasks.encode_prompt(tok, e["prompt"]) for e in examples]
-        with autocast(args.dtype, device):
-            schedule, rows = calibrate(model, prompts, candidates, args.threshold, args.bin_size, sparse,
-                                       args.max_new_tokens, eos_token_id=tok.eos_token_id,
-                                       pad_token_id=tok.pad_token_id or 0, adapter=adapter)
-        print(f"Tail alpha (p05) per context bin at each constant candidate budget ({args.policy}), then the "
-              f"chosen budget (the smallest holding {args.threshold}, non-decreasing) and the tail re-measured "
-              "under the whole schedule\n")
-        print("| context | " + " | ".join(f"at {c}" for c in candidates) + " | chosen | tail | tokens |")
-        print("|---|" + "---|" * (len(candidates) + 3))
-        cell = lambda t: "-" if math.isnan(t) else f"{t:.2f}"              # nan: the bin had no token
-        for r in rows:
-            print(f"| {r['bins'][0]}-{r['bins'][1] - 1} | " + " | ".join(map(cell, r["profile"])) +
-                  f" | {r['budget'] or 'dense'} | {cell(r['tail']) if r['tokens'] else '-'} | {r['tokens']} |")
-        below = [f"{r['bins'][0]}-{r['bins'][1] - 1} ({r['tail']:.2f})" for r in rows if r["tail"] < args.threshold]
-        if below:   # calibrate stopped: no bin up to these evicts (or skips pages), so no budget can lift them
-            print(f"below {args.threshold} with no bin to raise (none drops tokens: the mismatch is not the budget's): "
-                  + ", ".join(below))
-        holds = [c for k, c in enumerate(candidates) if all(not r["profile"][k] < args.threshold for r in rows)]
-        print(f"the smallest constant budget holding {args.threshold} in every bin: {holds[0] if holds else 'none'}")
-        schedule.save(args.out)
-        print(f"wrote {args.out}")
-    if args.speedup:
-        try:
-            schedule = Schedule.load(args.speedup)
-        except ValueError as error:
-            p.error(str(error))
-        # A toy schedule's budgets are tens of tokens; at 32K tokens the same budget/context ratios are
-        # the fair comparison, so the schedule is also shown stretched from its last bin to --context.
-        bins = schedule.bins
-        end = bins[-1] + (bins[-1] - bins[-2] if len(bins) > 1 else 0)   # where the last bin ends
-        factor = args.context / max(end, 1)
-        pages = {}
-        if args.policy == "blocktopk":                                  # Sparrow's, where no flag is given
-            pages = dict(page_size=args.page_size or SparseConfig.page_size, dense_layers=SparseConfig.dense_layers
-                         if args.dense_layers is None else args.dense_layers)
-        rows = [(f"{args.speedup} as calibrated: {list(schedule.budgets)} from {list(bins)}", schedule)]
-        if len(bins) > 1 and factor > 1:   # a constant budget has no length to stretch; shrunk, bins would merge
-            rows.append((f"the same stretched x{factor:.0f} to {args.context} tokens", schedule.scaled(factor)))
-        rows += [(f"constant budget {b} (for scale)", constant(b)) for b in (8192, 4096, 2048)]
-        print(f"Predicted rollout speedup over dense ({args.policy}, {args.context} tokens decoded at batch "
-              f"{args.batch}; cost model of docs/method.md section 6 with H100 bf16 balance)\n")
-        print("| schedule | " + " | ".join(QWEN3) + " |\n|---|" + "---|" * len(QWEN3))
-        for label, x in rows:
-            print(f"| {label} | " + " | ".join(f"{speedup(c, x, args.context, batch=args.batch, **pages):.2f}x"
-                                               for c in QWEN3.values()) + " |")
-        print("| Sparrow reported (block top-k, threshold 0.86) | " +
-              " | ".join(f"{SPARROW_SPEEDUP[n]}x" for n in QWEN3) + " |")
+    return args, p
+
+
+def print_calibration(args, p):
+    """`--calibrate`: profile the warm-up's prompts, print the table of tails per bin, write the schedule."""
+    try:
+        device = pick_device(args.device)
+        model, tok = load_pretrained(args.model, device=device)
+        adapter = distill.LoRA.from_file(model, args.adapter) if args.adapter else None
+    except ValueError as error:
+        p.error(str(error))
+    candidates, threshold = args.candidates, args.threshold
+    examples = tasks.make_examples(args.warmup["task"], args.prompts, 0, *args.warmup["digits"])
+    prompts = [tasks.encode_prompt(tok, e["prompt"]) for e in examples]
+    with autocast(args.dtype, device):
+        schedule, rows = calibrate(model, prompts, candidates, threshold, args.bin_size, args.sparse,
+                                   args.max_new_tokens, eos_token_id=tok.eos_token_id,
+                                   pad_token_id=tok.pad_token_id or 0, adapter=adapter)
+    print(f"Tail alpha (p05) per context bin at each constant candidate budget ({args.policy}), then the "
+          f"chosen budget (the smallest holding {threshold}, non-decreasing) and the tail re-measured "
+          "under the whole schedule\n")
+    print("| context | " + " | ".join(f"at {c}" for c in candidates) + " | chosen | tail | tokens |")
+    print("|---|" + "---|" * (len(candidates) + 3))
+    cell = lambda t: "-" if math.isnan(t) else f"{t:.2f}"              # nan: the bin had no token
+    for r in rows:
+        print(f"| {r['bins'][0]}-{r['bins'][1] - 1} | " + " | ".join(map(cell, r["profile"])) +
+              f" | {r['budget'] or 'dense'} | {cell(r['tail']) if r['tokens'] else '-'} | {r['tokens']} |")
+    below = [f"{r['bins'][0]}-{r['bins'][1] - 1} ({r['tail']:.2f})" for r in rows if r["tail"] < threshold]
+    if below:   # calibrate stopped: no bin up to these evicts (or skips pages), so no budget can lift them
+        print(f"below {threshold} with no bin to raise (none drops tokens: the mismatch is not the budget's): "
+              + ", ".join(below))
+    holds = [c for k, c in enumerate(candidates) if all(not r["profile"][k] < threshold for r in rows)]
+    print(f"the smallest constant budget holding {threshold} in every bin: {holds[0] if holds else 'none'}")
+    schedule.save(args.out)
+    print(f"wrote {args.out}")
+    return schedule
+
+
+def print_speedup(args, schedule):
+    """`--speedup`: the cost model's predicted speedup of `schedule` for the Qwen3 shapes, as a table."""
+    # A toy schedule's budgets are tens of tokens; at 32K tokens the same budget/context ratios are
+    # the fair comparison, so the schedule is also shown stretched from its last bin to --context.
+    bins = schedule.bins
+    end = bins[-1] + (bins[-1] - bins[-2] if len(bins) > 1 else 0)   # where the last bin ends
+    factor = args.context / max(end, 1)
+    pages = {}
+    if args.policy == "blocktopk":                                  # Sparrow's, where no flag is given
+        pages = dict(page_size=args.page_size or SparseConfig.page_size, dense_layers=SparseConfig.dense_layers
+                     if args.dense_layers is None else args.dense_layers)
+    rows = [(f"{args.speedup} as calibrated: {list(schedule.budgets)} from {list(bins)}", schedule)]
+    if len(bins) > 1 and factor > 1:   # a constant budget has no length to stretch; shrunk, bins would merge
+        rows.append((f"the same stretched x{factor:.0f} to {args.context} tokens", schedule.scaled(factor)))
+    rows += [(f"constant budget {b} (for scale)", constant(b)) for b in (8192, 4096, 2048)]
+    print(f"Predicted rollout speedup over dense ({args.policy}, {args.context} tokens decoded at batch "
+          f"{args.batch}; cost model of docs/method.md section 6 with H100 bf16 balance)\n")
+    print("| schedule | " + " | ".join(QWEN3) + " |\n|---|" + "---|" * len(QWEN3))
+    for label, x in rows:
+        print(f"| {label} | " + " | ".join(f"{speedup(c, x, args.context, batch=args.batch, **pages):.2f}x"
+                                           for c in QWEN3.values()) + " |")
+    print("| Sparrow reported (block top-k, threshold 0.86) | " +
+          " | ".join(f"{SPARROW_SPEEDUP[n]}x" for n in QWEN3) + " |")
+
+
+def main(argv=None):
+    args, p = parse_args(argv)
+    calibrated = print_calibration(args, p) if args.calibrate else None
+    if args.speedup:   # --speedup the file --calibrate just wrote: that schedule
+        print_speedup(args, args.schedule or calibrated)
+
 
 if __name__ == "__main__":
     main()

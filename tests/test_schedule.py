@@ -339,7 +339,7 @@ def test_schedule_files_round_trip_and_bad_files_are_named(tmp_path):
         Schedule.load(tmp_path / "keys.json")
 
 
-def test_calibrate_command_line_takes_device_and_dtype(tmp_path, capsys):
+def test_calibrate_command_line_takes_device_and_dtype_and_its_schedule_feeds_speedup(tmp_path, capsys):
     # as train.py: --device and --dtype (bfloat16 under autocast); a random toy model holds no budget, so every
     # bin ends dense or at a candidate, and the schedule file reads back
     import json
@@ -352,9 +352,12 @@ def test_calibrate_command_line_takes_device_and_dtype(tmp_path, capsys):
     tok.save_pretrained(tmp_path / "m")
     (tmp_path / "m" / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4])))
     schedule.main(["--calibrate", "--model", str(tmp_path / "m"), "--prompts", "4", "--candidates", "8,12",
-                   "--device", "cpu", "--dtype", "bfloat16", "--out", str(tmp_path / "s.json")])
-    assert set(Schedule.load(tmp_path / "s.json").budgets) <= {8, 12, None}
-    assert "wrote" in capsys.readouterr().out
+                   "--device", "cpu", "--dtype", "bfloat16", "--out", str(tmp_path / "s.json"),
+                   "--speedup", str(tmp_path / "s.json")])          # the file it writes: the speedup of that schedule
+    written = Schedule.load(tmp_path / "s.json")
+    assert set(written.budgets) <= {8, 12, None}
+    out = capsys.readouterr().out
+    assert "wrote" in out and f"as calibrated: {list(written.budgets)} from {list(written.bins)}" in out
 
 
 @pytest.mark.parametrize("argv, message", [
