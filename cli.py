@@ -19,9 +19,10 @@ from tasks import TASKS, TOY_TASKS, get_task
 
 # Defaults per kind of run, where no flag is given. Toy runs (no --model): tasks.TOY_TASKS, per task.
 # PAPER is Sparse-RL's cache and lr, but 512 new tokens, not its 4096: a first run on one GPU stays short
-# (--max-new-tokens 4096 for the paper's).
-PAPER = dict(budget=512, interval=128, window=8, sink=4, max_new_tokens=512, lr=1e-6, bin_size=128,  # Sparse-RL
-             page_size=16, dense_layers=2)                                                         # Sparrow
+# (--max-new-tokens 4096 for the paper's). Sparrow's pages, and its length bins scaled down with the
+# responses (2K tokens there); a step samples the base defaults' 8 prompts x 8, not the paper's 128 x 8.
+PAPER = dict(budget=512, interval=128, window=8, sink=4, max_new_tokens=512, lr=1e-6,   # Sparse-RL
+             bin_size=128, page_size=16, dense_layers=2)                                 # Sparrow
 # --model smollm2-135m is the CPU demo: GSM8K prompts are 70-160 tokens, so budget 128 evicts within
 # 256 new tokens. Measured at OMP_NUM_THREADS=1: a step of 2 x 4 rollouts takes about a minute
 # (rollout 33 s, re-scoring 8 s, update 20-27 s), each evaluation of 16 prompts about a minute.

@@ -6,8 +6,9 @@ acceptance `alpha_t = 1 - TV(p_dense, p_sparse)` in each length bin above a thre
 a piecewise-constant budget that grows with the context, found offline per bin.
 
 What is notable here:
-- `Schedule` is a callable `context length -> budget` that `kvcache.SparseConfig(schedule=...)`
-  asks at every compression (every step for `blocktopk` pages); `None` in a bin means dense.
+- `Schedule` is a callable `context length -> budget` that the cache (`kvcache.SparseConfig(schedule=...)`)
+  asks at every decode step: a row is due for compression when its length passes budget + interval,
+  and block top-k attends budget // page_size pages; `None` in a bin means dense.
 - `calibrate` is Sparrow's offline profiling; `Controller` is the online variant (ours, not in
   the paper): per-bin budgets nudged after every rollout batch from the acceptance the trainer
   already measures when it re-scores densely, so its probe costs no extra forward pass.
@@ -249,7 +250,7 @@ class Controller:
     """An online schedule: per-bin budgets that follow the measured tail, with no offline profiling.
 
     The probe: after each rollout batch the trainer already re-scores every sampled token densely
-    (pi_old, docs/method.md section 5), at the sampler's top-k ids; `acceptance` of those is alpha_t for
+    (pi_old, docs/method.md section 1), at the sampler's top-k ids; `acceptance` of those is alpha_t for
     free, so `update(alpha, positions)` costs a quantile per bin and no forward pass. (Outside
     training the probe is `measure` on a few rows: one dense forward over prompt + response each.)
     The rule, per update:
