@@ -17,6 +17,8 @@ def test_defaults_are_the_official_sparse_rl_settings():
     assert (args.veto, args.band, args.cap, args.clip, args.kl, args.correction) == (1e-4, [0.5, 1.5], 1.5, 0.2, 0.0,
                                                                                      "sparse-rl")
     assert (args.keep, args.no_std, args.agg) == (args.group_size, False, "seq-mean")
+    # Sparrow's DistillSparse (section 6): KL weight 1e-3, the adapter's lr 5x the base one
+    assert (args.distill_lambda, args.lora_lr_scale) == (1e-3, 5.0)
 
 
 def test_smollm2_gets_cpu_sized_defaults_that_flags_override():

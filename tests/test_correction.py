@@ -234,6 +234,11 @@ def test_policy_loss_by_hand():
     assert stats["weight_mean"] == pytest.approx(6 / 5)
     assert stats["ratio_mean"] == pytest.approx(1.0, rel=1e-5)
     assert (stats["tokens"], stats["responses"], stats["signal_tokens"]) == (5, 2, 5)
+    # response 0's first token (r = 1.5) rejected: the mean ratio is over the 4 kept, (0.5 + 1 + 1.5 + 0.5) / 4
+    kept = mask.clone()
+    kept[0, 0] = 0
+    _, stats = policy_loss(logp, logp_old, adv, kept, weights, response_mask=mask)
+    assert stats["ratio_mean"] == pytest.approx(0.875, rel=1e-5) and stats["tokens"] == 4
     # per-token advantages [N, T]: A = 2 on response 0's third token (r = 1, w = 1) doubles its -1
     loss, _ = policy_loss(logp, logp_old, torch.tensor([[1.0, 1, 2], [-1, -1, -1]]), mask, weights)
     assert loss.item() == pytest.approx((-4.2 / 3 + 2.3 / 2) / 2, rel=1e-5)
@@ -592,6 +597,15 @@ def test_importance_weights_keep_the_dtype_of_log_rho():
         w = importance_weights(torch.tensor([[0.0, LN2, 5.0]], dtype=dtype), mask)
         assert w.dtype == dtype
         torch.testing.assert_close(w, torch.tensor([[0.8, 1.2, 0.0]], dtype=dtype))   # 1, 1.5 over their mean 1.25
+
+
+def test_rejection_mask_default_veto_is_1e_4():
+    # rho = 5e-4 is out of the band [0.5, 1.5] but above the default veto 1e-4 (METHOD.md section 5): the
+    # token leaves the mask, the response stays
+    new_mask, stats = rejection_mask(torch.tensor([[1.0, 5e-4, 1.0]]).log(), torch.ones(1, 3))
+    assert new_mask.tolist() == [[1.0, 0.0, 1.0]] and stats["vetoed"] == 0
+    new_mask, stats = rejection_mask(torch.tensor([[1.0, 5e-5, 1.0]]).log(), torch.ones(1, 3))
+    assert new_mask.tolist() == [[0.0, 0.0, 0.0]] and stats["vetoed"] == 1
 
 
 def test_rejection_mask_veto_is_strict_and_the_mask_keeps_its_dtype():

@@ -28,9 +28,10 @@ def test_full_cache_greedy_equals_hugging_face(arch, overrides):
         assert torch.allclose(ours.logprobs[row], dense, atol=1e-4)
 
 
-def test_rows_stop_at_eos_like_hugging_face():
+@pytest.mark.parametrize("step", [5, 0])
+def test_rows_stop_at_eos_like_hugging_face(step):
     model = tiny_model("llama")
-    eos = hf_greedy(model, PROMPTS, 24)[0, 5].item()                 # a token row 0 emits at step 5
+    eos = hf_greedy(model, PROMPTS, 24)[0, step].item()              # a token row 0 emits at `step` (0: its first)
     ours = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=24, temperature=0, eos_token_id=eos)
     theirs = hf_greedy(model, PROMPTS, 24, eos_token_id=eos)
     T = theirs.shape[1]

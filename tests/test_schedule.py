@@ -250,6 +250,7 @@ def test_token_contexts_and_scaled_schedules():
     assert token_contexts(rollouts).tolist() == [[3, 4, 5], [2, 3, -1]]
     assert piecewise([0, 8], [6, None]).scaled(2.5) == piecewise([0, 20], [15, None])
     assert piecewise([0, 100], [4, 60]).scaled(0.1) == piecewise([0, 10], [1, 6])  # 0.4 tokens: kept at 1
+    assert piecewise([0, 10], [7, 9]).scaled(1.7) == piecewise([0, 17], [12, 15])  # 11.9 and 15.3: the nearest
 
 
 def test_bins_for_covers_every_context_a_response_token_is_sampled_at_and_no_more():
