@@ -295,9 +295,11 @@ def main(argv=None):
             results = evaluate_only(model, tokenizer, held_out, reward, evals, args.max_new_tokens, lora)
         print(f"wall time: {time.time() - start_time:.1f} s")
         return model, results
-    # a fresh start keeps no line; a resumed one its steps' lines, less the final evaluation, which it reruns
+    # a fresh start keeps no line; a resumed one its steps' lines, and the evaluation at its step only where an
+    # uninterrupted run has one there (a multiple of --eval-every before the end): not the old run's final one
+    evaluated = start % args.eval_every == 0 and start < args.steps
     truncate_log(out / "metrics.jsonl", start if start else -1)
-    truncate_log(out / "eval.jsonl", min(start, args.steps - 1) if start else -1)
+    truncate_log(out / "eval.jsonl", (start if evaluated else start - 1) if start else -1)
     print(f"rollouts: {sparse}; correction: {args.correction}; {args.prompts} prompts x {args.group_size} "
           f"rollouts (train on {args.keep}); {args.steps} steps on {device}")
 

@@ -77,6 +77,15 @@ def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path, warm, online
     assert evals("split") == evals("straight")
 
 
+def test_a_longer_resumed_run_keeps_no_final_evaluation_that_an_uninterrupted_run_lacks(tmp_path, warm):
+    # the 2-step run's final evaluation is at step 2; a 4-step run evaluating every 3 steps has none there
+    run_in(tmp_path / "straight", warm, "--steps", "4", "--save-every", "2", "--eval-every", "3")
+    run_in(tmp_path / "split", warm, "--steps", "2", "--save-every", "2")
+    run_in(tmp_path / "split", warm, "--steps", "4", "--save-every", "2", "--eval-every", "3", "--resume")
+    steps = lambda name: [json.loads(l)["step"] for l in (tmp_path / name / "eval.jsonl").read_text().splitlines()]
+    assert steps("split") == steps("straight") == [0, 3, 4]
+
+
 def test_a_schedule_file_equal_to_the_budget_gives_the_same_run_and_a_tighter_one_evicts_more(tmp_path, warm):
     S.constant(10).save(tmp_path / "constant.json")
     S.piecewise([0, 12], [6, 8]).save(tmp_path / "tight.json")
