@@ -256,6 +256,39 @@ def test_by_default_a_batch_is_one_optimizer_step_whatever_the_micro_batch(warm,
     assert moved[0].abs().max() > 1e-4 and torch.allclose(moved[0], moved[1], atol=1e-6)
 
 
+def test_step_seeds_never_meet_and_another_seed_gives_other_prompts():
+    args, other = train.parse_args(SMALL), train.parse_args(SMALL + ["--seed", "1"])
+    assert len({train.step_seed(train.parse_args(["--seed", str(s)]), t) for s in range(4) for t in range(1, 1001)}) == 4000
+    data = [dict(prompt=str(i), answer=str(i)) for i in range(100)]   # toy and --data: another --seed, other prompts
+    for train_data in (None, data):
+        assert train.step_examples(args, train_data, 3) != train.step_examples(other, train_data, 3)
+
+
+def test_a_step_samples_and_down_samples_from_its_step_seed_and_no_std_only_centres(warm, monkeypatch):
+    # the sampler's seed and PODS's generator come from step_seed(seed, step), not from the step alone;
+    # --no-std (Dr. GRPO) hands the loss r - mean(group), by hand
+    seen, real_generate, real_advantages = {}, train.generate, train.C.group_advantages
+    monkeypatch.setattr(train, "generate", lambda *a, **k: seen.update(sample=k["seed"]) or real_generate(*a, **k))
+    monkeypatch.setattr(train.C, "downsample", lambda rewards, n, m, how, generator: seen.update(
+        draw=generator.initial_seed()) or torch.arange(len(rewards)).view(-1, n)[:, :m].flatten())
+    monkeypatch.setattr(train.C, "group_advantages", lambda r, n, **k: seen.update(
+        rewards=r, advantages=real_advantages(r, n, **k)[0]) or real_advantages(r, n, **k))
+    args = train.parse_args(SMALL + ["--seed", "2", "--keep", "2", "--downsample", "random", "--no-std"])
+    model, tokenizer = models.load_pretrained(str(warm))
+    train.rl_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), tokenizer,
+                  train.make_examples("sort", 4, 5, 4, 8), reward_fn("sort"), train.sparse_config(args), args, 3)
+    assert seen["sample"] == seen["draw"] == 2 * 100_003 + 3
+    r = seen["rewards"].view(-1, 2)
+    assert torch.allclose(seen["advantages"], (r - r.mean(-1, keepdim=True)).flatten())
+
+
+def test_the_controller_takes_the_runs_cache_settings():
+    args = train.parse_args(["--controller", "0.9", "--policy", "blocktopk", "--budget", "64", "--interval", "16",
+                             "--page-size", "8", "--bin-size", "32"])
+    c = train.sparse_config(args, longest_prompt=10).schedule
+    assert (c.threshold, c.step, c.interval, c.page_size, c.bin_size, c.budgets[0]) == (0.9, 8, 16, 8, 32, 64)
+
+
 def test_random_down_sampling_is_a_function_of_seed_and_step(warm, monkeypatch):
     kept = []
     real = train.C.downsample
@@ -281,9 +314,13 @@ def test_resume_survives_a_half_written_line_and_reads_state_with_weights_only(t
     assert lines[1]["lr"] == 1e-5 and lines[2]["lr"] == 3e-5          # the --lr given on resume holds
     run_in(tmp_path, warm, "--steps", "3", "--eval-every", "3", "--resume")   # resumed at its end: the final
     assert (tmp_path / "eval.jsonl").read_text().count('"step": 3,') == 1     # evaluation is rerun, not repeated
+    final = json.loads((tmp_path / "eval.jsonl").read_text().splitlines()[-1])
+    _, results = train.main(SMALL + ["--out", str(tmp_path), "--resume", "--steps", "0"])   # evaluates step 3's
+    assert results["dense"] == final["dense"]                          # weights, as its final evaluation did
     for argv, message in ((["--steps", "2"], "--steps 2 ends before step-000003"),
                           (["--task", "pick"], "--task 'sort' there, 'pick' here"),
-                          (["--seed", "3"], "made by another run \\(--seed 0 there, 3 here\\)")):
+                          (["--seed", "3"], "made by another run \\(--seed 0 there, 3 here\\)"),
+                          (["--warmup-steps", "5"], "--warmup-steps 80 there, 5 here")):
         with pytest.raises(SystemExit, match=message):                  # one line, before any model loads
             train.main(SMALL + ["--out", str(tmp_path), "--resume", *argv])
     run_in(tmp_path, warm, "--steps", "1", "--eval-every", "1")        # fresh in the same folder: no old line kept,
@@ -327,11 +364,16 @@ def test_steps_0_evaluates_the_warm_up_dense_and_under_each_cache(tmp_path, warm
     assert not (tmp_path / "metrics.jsonl").exists() and not list(tmp_path.glob("step-*"))
 
 
-def test_a_warm_up_made_with_other_settings_is_made_anew(tmp_path, warm, capsys):
+def test_a_warm_up_made_with_other_settings_is_made_anew(tmp_path, warm, capsys, monkeypatch):
     shutil.copytree(warm, tmp_path / "warmup")
     args = train.parse_args(SMALL + ["--out", str(tmp_path), "--lr", "1e-3", "--policy", "h2o"])
     train.load_model(args, torch.device("cpu"))         # RL settings differ: shared
     assert "making a new warm-up" not in capsys.readouterr().out
+    with monkeypatch.context() as m:                    # another seed alone: another warm-up (not trained here)
+        m.setattr(train, "warm_up", lambda *a, **k: None)
+        shutil.copytree(warm, tmp_path / "s1" / "warmup")
+        train.load_model(train.parse_args(SMALL + ["--out", str(tmp_path / "s1"), "--seed", "1"]), torch.device("cpu"))
+    assert "making a new warm-up" in capsys.readouterr().out
     args = train.parse_args(SMALL + ["--out", str(tmp_path), "--task", "reverse", "--warmup-steps", "2"])
     model, _ = train.load_model(args, torch.device("cpu"))
     assert "making a new warm-up" in capsys.readouterr().out
