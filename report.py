@@ -48,7 +48,7 @@ from kvcache import POLICIES, SparseConfig
 from models import CACHE_DIR, DTYPES, SMOLLM2, last_checkpoint, load_pretrained, pick_device
 from sampler import generate
 from schedule import THRESHOLD
-from tasks import TOY_TASKS, encode_prompt, load_jsonl, make_examples, numeric_reward
+from tasks import TOY_TASKS, encode_prompt, held_out_examples, load_jsonl, numeric_reward
 
 
 def parse_args(argv=None):
@@ -423,7 +423,7 @@ def keeps(args):
     budget = args.budget or run["budget"]
     configs = [SparseConfig(p, budget, run["interval"], run["window"], run["sink"]) for p in args.policies]
     model, tokenizer = load_pretrained(args.model)
-    examples = make_examples(settings["task"], 256, -1 - settings["seed"], *settings["digits"])  # train's held-out
+    examples = held_out_examples(settings["task"], 256, settings["seed"], *settings["digits"])   # train's
     long = [e for e in examples if len(e["prompt"]) + 1 > budget + run["interval"]]
     if args.example >= len(long):
         raise ValueError(f"--example {args.example}: only {len(long)} held-out prompts are longer than the budget")

@@ -175,6 +175,13 @@ def make_examples(task, n, seed, min_digits=None, max_digits=None):
     return examples
 
 
+def held_out_examples(task, n, seed, min_digits=None, max_digits=None):
+    """The held-out prompts of a toy run with `seed` (as `make_examples`). Their generator is seeded with the
+    string "held-out <seed>", which no integer seed of a training step or warm-up step can equal. An integer
+    such as -1 - seed would not do: Python's random.Random seeds with |seed|, and -1 is step 1's seed 1."""
+    return make_examples(task, n, f"held-out {seed}", min_digits, max_digits)
+
+
 def demonstrations(task, examples, seed):
     """The answers the supervised warm-up imitates: the task's teacher's (flawed) answers, else the true ones."""
     teacher, rng = get_task(task).teacher, random.Random(seed)

@@ -47,7 +47,8 @@ from kvcache import SparseConfig
 from models import (autocast, last_checkpoint, load_checkpoint, load_pretrained, pick_device,
                     save_atomically, save_checkpoint, toy_model, warm_up)
 from sampler import generate
-from tasks import ALPHABET, char_tokenizer, encode_prompt, load_jsonl, longest_prompt_chars, make_examples
+from tasks import (ALPHABET, char_tokenizer, encode_prompt, held_out_examples, load_jsonl, longest_prompt_chars,
+                   make_examples)
 
 
 # ----------------------------------------------------------------------------- the rollout cache
@@ -105,7 +106,7 @@ def load_model(args, device):
 def load_data(args):
     """(train examples or None for the toy task, eval examples): lists of {"prompt", "answer"}."""
     if args.data is None:
-        return None, make_examples(args.task, args.eval_size, -1 - args.seed, *args.digits)  # seeds training never uses
+        return None, held_out_examples(args.task, args.eval_size, args.seed, *args.digits)
     train = load_jsonl(args.data)
     held_out = load_jsonl(args.eval_data) if args.eval_data else train[-args.eval_size:]
     train = train if args.eval_data else train[: -args.eval_size]

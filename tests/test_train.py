@@ -264,6 +264,14 @@ def test_step_seeds_never_meet_and_another_seed_gives_other_prompts():
         assert train.step_examples(args, train_data, 3) != train.step_examples(other, train_data, 3)
 
 
+def test_no_held_out_prompt_is_a_training_prompt():
+    # seeded with -1 - seed, seed 0's held-out set began with step 1's 8 prompts: random.Random(-1) is Random(1)
+    args = train.parse_args([])                                        # the quick start's run, seed 0
+    _, held_out = train.load_data(args)
+    trained = {e["prompt"] for t in range(1, args.steps + 1) for e in train.step_examples(args, None, t)}
+    assert not {e["prompt"] for e in held_out} & trained
+
+
 def test_a_step_samples_and_down_samples_from_its_step_seed_and_no_std_only_centres(warm, monkeypatch):
     # the sampler's seed and PODS's generator come from step_seed(seed, step), not from the step alone;
     # --no-std (Dr. GRPO) hands the loss r - mean(group), by hand
