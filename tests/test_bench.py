@@ -98,6 +98,8 @@ def test_overheads_are_shares_of_the_right_wholes(quick):
     assert 0 < over["correction_seconds"] < over["train_step_seconds"]
     dense_seconds = statistics.median(record["throughput"]["full"]["seconds"])
     assert math.isclose(over["rescore_vs_dense_rollout"], over["rescore_seconds"] / dense_seconds)
+    rollout_seconds = statistics.median(record["throughput"][bench.LONG_POLICY]["seconds"])   # the rollout re-scored
+    assert math.isclose(over["rescore_vs_rollout"], over["rescore_seconds"] / rollout_seconds)
 
 
 def test_the_limit_is_positive_and_the_tables_are_printed(quick):
@@ -234,3 +236,115 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_bench_runs(tmp_path
         with pytest.raises(SystemExit):
             bench.main(["--quick", "--out", str(out)])
         assert message in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the arithmetic, on fake timings
+
+def fake_run(seconds, prefill=0.0, evict=None, kv_tokens=10, tokens=None):
+    """One run's dict as run_hf / run_ours return it, with known seconds (no model, no clock)."""
+    return dict(tokens=torch.zeros(2, 4, dtype=torch.long) if tokens is None else tokens, seconds=seconds,
+                prefill=prefill, peak_kv_tokens=kv_tokens, peak_kv_bytes=kv_tokens * 8, evict_seconds=evict,
+                stamps=None, others=None)
+
+
+def fake_report(**changes):
+    """bench.report on fake runs through median_run: batch 2, 4 new, 8 long new; every number chosen by hand."""
+    s = dict(bench.QUICK, batch=2, new=4, long_new=8, **changes)
+    hf = torch.zeros(2, 4, dtype=torch.long)
+    full = hf.clone()
+    full[0, 3] = 1                                                   # 7 of HF's 8 tokens
+    sparse = hf.clone()
+    sparse[1, 1:] = 5                                                # 5 of HF's 8, 4 of full's
+    kv = {bench.HF: 20, "full": 40, "streaming": 5, "h2o": 6, "snapkv": 10, "rkv": 7, "blocktopk": 40}
+    results = {bench.HF: [fake_run(s_, kv_tokens=kv[bench.HF], tokens=hf) for s_ in (4.0, 1.0, 2.0)]}
+    results["full"] = [fake_run(s_, evict=0.0, kv_tokens=kv["full"], tokens=full) for s_ in (8.0, 0.5, 1.0)]
+    for name in bench.SPARSE:                                        # choosing: 0.1 / 0.2, 0.2 / 0.4, 0.5 / 2 of decode
+        results[name] = [fake_run(*t, kv[name], sparse) for t in ((0.25, 0.05, 0.1), (0.5, 0.1, 0.2), (3.0, 1.0, 0.5))]
+    results = {name: bench.median_run(runs) for name, runs in results.items()}
+    long = {"full": bench.median_run([fake_run(4.0, 0.5, 0.0, kv_tokens=100)]),
+            bench.LONG_POLICY: bench.median_run([fake_run(1.0, 0.5, 0.25, kv_tokens=25)])}
+    scale = [dict(context=64, full=2.0, snapkv=1.0, ratio=2.0)]
+    over = dict(train_step_seconds=1.0, correction_seconds=0.001, rescore_seconds=0.5, rescore_vs_rollout=1.0,
+                rescore_vs_dense_rollout=0.5)
+    lim = dict(mm_flops=1e9, decode_flops=1e8, flops_per_token=1e6, copy_bytes_per_s=1e9, decode_bytes_per_s=1e8)
+    return bench.report(s, results, long, scale, over, lim, 1.0, "fake")
+
+
+def throughput_rows(text):
+    """Table 1 of the printed report as {sampler: its other cells}."""
+    table = text.split("### 1. Throughput")[1].split("###")[0]
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in table.splitlines()
+             if row.startswith("| ") and not row.startswith("| sampler")]
+    return {row[0]: row[1:] for row in cells}
+
+
+def test_tokens_per_second_is_batch_times_new_over_the_median_seconds():
+    text, record = fake_report()
+    # batch 2 x 4 new = 8 tokens a run: HF median 2 s -> 4/s, full median 1 s -> 8/s, sparse median 0.5 s -> 16/s;
+    # the long rows: 2 x 8 = 16 tokens in 4 s and 1 s
+    expected = {bench.HF: 4.0, "full": 8.0, **{name: 16.0 for name in bench.SPARSE}}
+    assert {name: row["tokens_per_s"] for name, row in record["throughput"].items()} == expected
+    assert record["throughput"]["full"]["seconds"] == [8.0, 0.5, 1.0]            # every round, the median of them used
+    assert {name: row["tokens_per_s"] for name, row in record["long"].items()} == {"full": 4.0, bench.LONG_POLICY: 16.0}
+    assert throughput_rows(text)["ours snapkv"][:3] == ["16.0", "4.00x", "2.00x"]
+
+
+def test_the_printed_kv_and_same_token_cells_are_counted_by_hand():
+    text, record = fake_report()
+    rows = throughput_rows(text)
+    # peak KV against ours full's 40 tokens (not HF's 20): snapkv 10 -> 0.250, streaming 5 -> 0.125, blocktopk 1
+    for name, kv in (("snapkv", "0.250"), ("streaming", "0.125"), ("blocktopk", "1.000"), ("full", "1.000")):
+        assert rows[f"ours {name}"][3] == kv
+        assert float(kv) == record["throughput"][name]["peak_kv_bytes"] / record["throughput"]["full"]["peak_kv_bytes"]
+    assert rows[bench.HF][3] == "0.500"
+    # same tokens as HF, the share of positions: full 7 of 8, every sparse sampler 5 of 8 (against full: 4 of 8)
+    assert rows["ours full"][5] == "0.875" and rows[bench.HF][5] == "-"
+    assert all(rows[f"ours {name}"][5] == "0.625" for name in bench.SPARSE)
+    assert record["throughput"]["full"]["same_tokens_as_hf"] is False and record["throughput"][bench.HF]["same_tokens_as_hf"] is None
+    # the choosing cell: the median of 50 %, 50 % and 25 % of decode time
+    assert rows["ours snapkv"][4] == "50.0 %" and rows["ours full"][4] == "-"
+
+
+def test_the_long_rows_kv_is_against_the_long_dense_run():
+    text, _ = fake_report()
+    rows = throughput_rows(text)
+    # long: snapkv 25 tokens of the long dense run's 100 (not the short dense run's 40)
+    assert rows[f"ours {bench.LONG_POLICY}, 8 new"][3] == "0.250"
+    assert rows["ours full, 8 new"][3] == "1.000"
+    assert rows[f"ours {bench.LONG_POLICY}, 8 new"][2] == "4.00x"                 # 16/s against the long dense 4/s
+
+
+def test_the_evict_share_is_of_decode_time_without_the_prefill():
+    # decode = seconds - prefill: 4 / (10 - 2), 5 / (12 - 2), 4 / (20 - 4) -> 0.5, 0.5, 0.25: median 0.5
+    # (of the whole seconds it would be 0.4, 0.417, 0.2: median 0.417)
+    runs = [fake_run(10.0, 2.0, 4.0), fake_run(12.0, 2.0, 5.0), fake_run(20.0, 4.0, 4.0)]
+    summary = bench.median_run(runs)
+    assert summary["evict_share"] == 0.5 and summary["seconds"] == 12.0 and summary["all_seconds"] == [10.0, 12.0, 20.0]
+    assert "evict_share" not in bench.median_run([fake_run(1.0)])               # HF: nothing chosen
+
+
+def test_scaling_averages_the_interval_steps_ending_at_each_context_per_sequence():
+    # prompt 4, interval 2, batch 2, 6 new: stamps of the prefill, decode steps 1..5 and the end. Dense step i
+    # (context 4 + i) takes i + 1 s (the prefill 1 s), the eviction's every step 1 s.
+    s = dict(prompt=4, interval=2, batch=2, contexts=(5, 7, 10))
+    dense = [0, 1, 3, 6, 10, 15, 21]
+    long = {"full": dict(stamps=dense), bench.LONG_POLICY: dict(stamps=list(range(7)))}
+    table = bench.scaling(long, s)
+    # context 5: step 1 only (the window would reach back to the prefill): 2 s / 2 rows = 1000 ms;
+    # context 7: steps 2 and 3, (3 + 4) / 2 / 2 = 1750 ms; context 10 (prompt + new): the last step, 5, 6 / 2 = 3000 ms
+    assert [row["full"] for row in table] == [1000.0, 1750.0, 3000.0]
+    assert [row[bench.LONG_POLICY] for row in table] == [500.0, 500.0, 500.0]
+    assert [row["ratio"] for row in table] == [2.0, 3.5, 6.0]
+
+
+def test_the_limit_counts_flops_and_bytes_by_hand(monkeypatch):
+    # 1 layer, 4 wide, 2 heads of 2 (1 KV head), ffn 6, vocabulary 10, batch 2, prompt 3, 2 new (4 tokens fed).
+    # Weights: q 4x4 + o 4x4 + k 4x2 + v 4x2 + gate, up, down 3 x 4x6 + output 4x10 = 160 -> 320 FLOP a token;
+    # attention 4 * heads * head_dim = 16 FLOP per cached token: contexts 1..4 -> 16 * 10 / 4 = 40 a token.
+    s = dict(layers=1, hidden=4, heads=2, kv_heads=1, ffn=6, vocab=10, batch=2, prompt=3, new=2, mm=8)
+    lim = bench.limit(s, dict(seconds=2.0), repeats=1)
+    assert lim["flops_per_token"] == 360
+    assert lim["decode_flops"] == 2 * 4 * 360 / 2.0                   # batch x fed tokens x 360, over 2 s
+    # bytes: 2 passes (prefill, one decode step) each read 160 weights x 4 bytes; KV of contexts 3 and 4 at
+    # 2 (K, V) x 1 KV head x 2 dims x 4 bytes x batch 2 = 32 bytes a token
+    assert lim["decode_bytes_per_s"] == (2 * 160 * 4 + (3 + 4) * 32) / 2.0

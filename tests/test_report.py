@@ -4,6 +4,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 import report
 import train
@@ -235,3 +236,81 @@ def test_an_out_under_a_file_is_one_clear_line_before_the_work(tmp_path, monkeyp
     monkeypatch.setattr(report, "keeps", lambda args: pytest.fail("the work started"))
     with pytest.raises(SystemExit, match="^error: .*File exists"):
         report.main(["keeps", "--out", str(tmp_path / "afile" / "k.png")])
+
+
+def test_inference_runs_the_first_limit_questions_and_compares_each_row_to_the_dense_one(tmp_path, monkeypatch, capsys):
+    # no model: run_inference stubbed, its peak KV set by hand (dense 10 MiB; snapkv budget/8 MiB, h2o 1.5x that)
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps(dict(prompt=f"{i} + 1 =", answer=str(i + 1))) + "\n" for i in range(5)))
+    monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: ("model", "tokenizer"))
+    calls = []
+
+    def run_inference(model, tokenizer, examples, reward, sparse, max_new_tokens, batch_size, adapter):
+        calls.append((sparse.policy, None if sparse.policy == "full" else sparse.budget, [e["prompt"] for e in examples]))
+        mib = 10 if sparse.policy == "full" else sparse.budget / 8 * (1.5 if sparse.policy == "h2o" else 1)
+        return dict(accuracy=len(calls) / 10, peak_kv_bytes=int(mib * 2**20), alpha_mean=1 - len(calls) / 100,
+                    alpha_p05=0.5, tokens=10 * len(examples), seconds=2.0)
+    monkeypatch.setattr(report, "run_inference", run_inference)
+    report.main(["inference", "--data", str(data), "--limit", "3", "--policies", "snapkv", "h2o",
+                 "--budgets", "8", "16", "--interval", "4", "--window", "2", "--sink", "2"])
+    text = capsys.readouterr().out
+    first3 = ["0 + 1 =", "1 + 1 =", "2 + 1 ="]                                # --limit 3: three, the first three
+    assert calls == [("full", None, first3)] + [(p, b, first3) for b in (8, 16) for p in ("snapkv", "h2o")]
+    assert f"3 questions of {data}, greedy, 256 new tokens" in text
+    rows = [[c.strip() for c in row.strip("|").split("|")] for row in text.splitlines()
+            if row.startswith("| ") and not row.startswith("| rollout")]
+    # rollout, budget, accuracy, peak MiB, vs dense (of dense's 10 MiB), alpha mean, p05, tokens, seconds
+    assert rows == [["dense", "-", "0.10", "10.0", "100%", "0.990", "0.500", "30", "2"],
+                    ["snapkv", "8", "0.20", "1.0", "10%", "0.980", "0.500", "30", "2"],
+                    ["h2o", "8", "0.30", "1.5", "15%", "0.970", "0.500", "30", "2"],
+                    ["snapkv", "16", "0.40", "2.0", "20%", "0.960", "0.500", "30", "2"],
+                    ["h2o", "16", "0.50", "3.0", "30%", "0.950", "0.500", "30", "2"]]
+
+
+def test_a_repeated_step_keeps_its_last_line(tmp_path):
+    # a resumed run wrote steps 2 and 3 again (and its evaluation at 2): the rewritten lines count, in step order
+    metrics = [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0], reward=r) for s, r in ((1, .1), (2, .2), (3, .3), (2, .4), (3, .5))]
+    folder = write_run(tmp_path / "resumed-s0", metrics, [(0, .5, .5), (2, .6, .6), (2, .7, .1)])
+    metrics, evals = report.read_run(folder)
+    assert [(m["step"], m["reward"]) for m in metrics] == [(1, .1), (2, .4), (3, .5)]
+    assert evals == [dict(step=0, dense=.5, sparse=.5), dict(step=2, dense=.7, sparse=.1)]
+
+
+def test_steps_is_the_mean_over_seeds_of_each_last_evaluation(tmp_path):
+    # one seed cut short by a time limit at step 2, the other reached step 5: (2 + 5) / 2 = 3.5, not the max 5
+    steps = [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in (1, 2)]
+    groups = {"v": [report.read_run(write_run(tmp_path / f"v-s{i}", steps, [(0, .5, .5), (last, .6, .6)]))
+                    for i, last in enumerate((2, 5))]}
+    assert report.comparison_rows(groups)[0][:3] == ["v", 2, "3.5"]
+
+
+def test_the_mean_curve_averages_the_steps_every_seed_logged():
+    # seed 0 evaluated at 0, 2, 3 and seed 1 at 0, 2, 4: only 0 and 2 have both seeds behind their mean
+    seeds = [[dict(step=s, dense=d) for s, d in zip((0, 2, 3), (.5, .6, .9))],
+             [dict(step=s, dense=d) for s, d in zip((0, 2, 4), (.3, .8, .1))]]
+    assert report.mean_curve(seeds, "dense") == [(0, pytest.approx(.4)), (2, pytest.approx(.7))]
+
+
+def test_keeps_takes_train_s_held_out_prompts_and_the_shares_of_the_last_step(tmp_path, monkeypatch, capsys):
+    # no model: the held-out examples and the kept fractions are stubbed. Prompt "Pabc123de=" (+ BOS at 0):
+    # digits at positions 5-7 are needed, the lower-case letters 2-4, 8, 9 distractors.
+    (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4], seed=7)))
+    made, drawn = [], []
+
+    def held_out_examples(task, n, seed, *digits):
+        made.append((task, n, seed, digits))                        # only the second and third are longer than
+        return [dict(prompt="P12=", answer="1"), dict(prompt="Pabc123de=", answer="2"),   # budget 6 + interval 4
+                dict(prompt="Pxyz999xy=", answer="9")]
+    kept = torch.ones(3, 13)                                        # steps 0 (prefill), 1, 2; 11 prompt + 2 answer
+    kept[1, 5:8] = 0                                                # step 1: no needed token held
+    kept[2] = torch.tensor([1, 1, 0, 0, .25, 1, 1, .25, .5, .5, 1, 1, 1])
+    tokenizer = type("T", (), dict(decode=lambda self, tokens, skip_special_tokens: "7"))()
+    monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: (None, tokenizer))
+    monkeypatch.setattr(report, "held_out_examples", held_out_examples)
+    monkeypatch.setattr(report, "kept_fractions", lambda model, tok, prompt, sparse, new: (drawn.append(prompt), (kept, [5]))[1])
+    monkeypatch.setattr(report, "draw_keeps", lambda *a: None)
+    report.main(["keeps", "--model", str(tmp_path), "--policies", "snapkv", "--budget", "6", "--out", str(tmp_path / "k.png")])
+    assert made == [("pick", 256, 7, (3, 4))]                       # train.py's held-out set for seed 7
+    assert drawn == ["Pabc123de="]
+    # the last step: needed (1 + 1 + .25) / 3 = 75 %; distractors (0 + 0 + .25 + .5 + .5) / 5 = 25 %
+    assert "| snapkv | '7' | 75% | 25% |" in capsys.readouterr().out
