@@ -21,6 +21,19 @@ def test_defaults_are_the_official_sparse_rl_settings():
     assert (args.distill_lambda, args.lora_lr_scale) == (1e-3, 5.0)
 
 
+def test_the_paper_preset_is_sparse_rl_and_sparrow_as_method_md_gives_them():
+    # METHOD.md sections 2, 3, 5: budget 512, compress every 128, window 8, sink 4, lr 1e-6; Sparrow's pages of 16
+    # and 2 dense layers; 512 new tokens (not the paper's 4096: cli.py says why), bins of 128
+    assert cli.PAPER == dict(budget=512, interval=128, window=8, sink=4, max_new_tokens=512, lr=1e-6, bin_size=128,
+                             page_size=16, dense_layers=2)
+
+
+def test_toy_defaults_follow_the_task_and_save_every_a_quarter_of_the_steps():
+    assert cli.parse_args(["--task", "sort"]).digits == [12, 20] and cli.parse_args([]).digits == [3, 6]
+    save_every = lambda steps: cli.parse_args(["--steps", str(steps)]).save_every
+    assert (save_every(40), save_every(400), save_every(2)) == (10, 50, 1)   # steps // 4, at most 50, at least 1
+
+
 def test_smollm2_gets_cpu_sized_defaults_that_flags_override():
     args = cli.parse_args(["--model", "smollm2-135m", "--prompts", "3"])
     assert (args.budget, args.max_new_tokens, args.group_size, args.prompts, args.temperature) == (128, 128, 4, 3, 0.7)

@@ -116,6 +116,10 @@ def test_dense_grpo_raises_the_reward(tmp_path, warm):
     (["--group-size", "4", "--keep", "6"], "--keep m must lie in \\[2, group size n=4\\], got 6"),
     (["--keep", "1"], "--keep m must lie in \\[2, group size n=8\\], got 1"),
     (["--keep", "0"], "--keep m must lie in \\[2, group size n=8\\], got 0"),
+    (["--prompts", "0"], "--prompts must be >= 1, got 0"),
+    (["--eval-every", "0"], "--eval-every must be >= 1, got 0"),                # else a modulo by zero at step 1
+    (["--data", "d.jsonl"], "--data needs --model"),
+    (["--digits", "5", "3"], "--digits needs 1 <= MIN <= MAX, got \\[5, 3\\]"),
     (["--resume"], "--resume: no checkpoint step-NNNNNN in"),
     (["--data", ".", "--model", "x/y"], "data file '.' is a folder, not a file"),
     (["--steps", "0", "--controller", "0.86"], "--steps 0 evaluates fixed budgets"),
