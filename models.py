@@ -73,7 +73,8 @@ def warm_up(model, tokenizer, task, steps, digits):
     `task` (tasks.TASKS), `steps` of 64 examples with `digits` = (min, max) digits per prompt.
     lr 3e-3 times min(1, (s + 1) / 50) * (1 - s / steps): a 50-step linear warm-up multiplied by a linear
     decay to 0, so the peak, at step 49, is 2.6e-3 over 400 steps and 1.5e-3 over 100. 400 steps of 64
-    examples reach ~96% exact answers on held-out prompts (measured; without the decay, ~45%).
+    examples reach ~98% exact answers on held-out sort prompts (0.977, seed 0, `python train.py --task sort`
+    on 2026-11-25; without the decay, ~45% in an earlier measurement on the old held-out set).
     Trains `model` in place; -> it, in eval mode.
     """
     if steps == 0:   # no warm-up: the random model as it is

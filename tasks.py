@@ -140,9 +140,9 @@ def get_task(name):
 # pick: prompts of 12-27 tokens, answers of 4-7 (with eos), so 12 tokens compressed every 4 evict from the
 #   prompt at the first decode step; 100 warm-up steps leave the model right on about 40 % of the prompts (it
 #   copies its teacher's habit of stopping one digit early), and dense GRPO at lr 1e-5 fixes most of that
-#   (0.39 -> 0.94 after 100 steps, 0.97 after 200, over 3 seeds: README "Results").
+#   (0.39 -> 0.95 after 100 steps, 0.98 after 200, over 3 seeds: README "Results").
 # sort, reverse: prompts of 15-23 tokens, answers of 13-21, so 24 tokens evict on every rollout. From the
-#   400-step warm-up (0.969 dense), Sparse-RL at lr 1e-5 holds its accuracy (0.965 after 200 steps).
+#   400-step warm-up (0.977 dense), Sparse-RL at lr 1e-5 holds its accuracy (0.973 after 200 steps).
 # bin_size: the length bins of the per-step tail metrics and the controller (Sparrow: 2048 for 32K-token answers).
 # page_size, dense_layers: block top-k on the 2-layer toy attends densely in layer 0 and to pages of 4 in layer 1
 #   (Sparrow: pages of 16, the first 2 of 28 layers dense; its page would hold the pick budget of 12 whole).

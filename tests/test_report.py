@@ -181,7 +181,7 @@ def test_inference_and_keeps_refuse_bad_flags_before_loading(tmp_path, monkeypat
 
 
 def test_robust_budgets_reproduce_the_runs_own_final_evaluations(tmp_path, capsys):
-    # A 1-step run (60 warm-up steps: dense 0.344, sparse 0.219 here; 6 s). At its training budget (SnapKV 10) the
+    # A 1-step run (60 warm-up steps: dense 0.438, sparse 0.344 here; 4 s). At its training budget (SnapKV 10) the
     # final model must score what train.py's own final sparse evaluation wrote; at 64, more than any context here,
     # what the dense one wrote.
     folder = tmp_path / "tiny-s0"
