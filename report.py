@@ -423,7 +423,7 @@ def keeps(args):
     budget = args.budget or run["budget"]
     configs = [SparseConfig(p, budget, run["interval"], run["window"], run["sink"]) for p in args.policies]
     model, tokenizer = load_pretrained(args.model)
-    examples = held_out_examples(settings["task"], 256, settings["seed"], *settings["digits"])   # train's
+    examples = held_out_examples(settings["task"], 256, settings["seed"], *settings["digits"])   # train.py's held-out
     long = [e for e in examples if len(e["prompt"]) + 1 > budget + run["interval"]]
     if args.example >= len(long):
         raise ValueError(f"--example {args.example}: only {len(long)} held-out prompts are longer than the budget")
