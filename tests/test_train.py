@@ -622,3 +622,7 @@ def test_a_data_file_is_split_into_disjoint_training_and_held_out_examples(tmp_p
     training, held_out = train.load_data(args)
     assert [e["answer"] for e in held_out] == ["10", "11", "12"] and len(training) == 9
     assert not {e["prompt"] for e in training} & {e["prompt"] for e in held_out}
+    # with --eval-data, the whole --data trains and the first --eval-size lines of the other file are held out
+    args = train.parse_args(["--model", "m", "--data", str(data), "--eval-data", str(data), "--eval-size", "3"])
+    training, held_out = train.load_data(args)
+    assert len(training) == 12 and [e["answer"] for e in held_out] == ["1", "2", "3"]
