@@ -298,9 +298,9 @@ def main(argv=None):
         return model, results
     # a fresh start keeps no line; a resumed one its steps' lines, and the evaluation at its step only where an
     # uninterrupted run has one there (a multiple of --eval-every before the end): not the old run's final one
-    evaluated = start % args.eval_every == 0 and start < args.steps
+    evaluated = start > 0 and start % args.eval_every == 0 and start < args.steps
     truncate_log(out / "metrics.jsonl", start if start else -1)
-    truncate_log(out / "eval.jsonl", (start if evaluated else start - 1) if start else -1)
+    truncate_log(out / "eval.jsonl", start if evaluated else start - 1)
     print(f"rollouts: {sparse}; correction: {args.correction}; {args.prompts} prompts x {args.group_size} "
           f"rollouts (train on {args.keep}); {args.steps} steps on {device}")
 
