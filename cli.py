@@ -112,7 +112,7 @@ def parse_args(argv=None):
                    "and the controller (toy 16, smollm2-135m 64, else 128)")
     g.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"], help="response length limit "
                    "(pick 12, sort 24, smollm2-135m 128 on its arithmetic data, 256 with --data or --device cuda, "
-                   "else 512)")
+                   "else 512); with the longest prompt it must fit the model's positions (toy: 128)")
     g = p.add_argument_group("correction (correction.py)")
     g.add_argument("--correction", default="sparse-rl", choices=["sparse-rl", "tis", "none"],
                    help="sparse-rl: rejection + weights; tis: Sparse-RL's weights without rejection (not Sparrow's "

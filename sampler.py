@@ -124,12 +124,23 @@ def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): min {min(prompt)}, max {max(prompt)}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    check_length(max(map(len, prompts)), max_new_tokens, model.config)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
     if not isinstance(logprobs_topk, int) or logprobs_topk < 1:
         raise ValueError(f"logprobs_topk must be a positive integer, got {logprobs_topk!r}")
+
+
+def check_length(longest_prompt, max_new_tokens, config):
+    """Reject a generation that would run past the model's positions (`max_position_embeddings`): the model
+    never saw them, and a huge `max_new_tokens` would fail later in torch's allocator instead."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and longest_prompt + max_new_tokens > positions:
+        raise ValueError(f"max_new_tokens {max_new_tokens}: the longest prompt ({longest_prompt} tokens) plus the "
+                         f"response must fit the model's {positions} positions, "
+                         f"so at most {positions - longest_prompt}")
 
 
 def forward(model, ids, positions, cache):

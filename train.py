@@ -46,7 +46,7 @@ from evaluate import eval_both, evaluate_only, rewards_of, run_reward
 from kvcache import SparseConfig
 from models import (autocast, last_checkpoint, load_checkpoint, load_pretrained, pick_device,
                     save_atomically, save_checkpoint, toy_model, warm_up)
-from sampler import generate
+from sampler import check_length, generate
 from tasks import (ALPHABET, char_tokenizer, encode_prompt, held_out_examples, load_jsonl, longest_prompt_chars,
                    make_examples)
 
@@ -97,6 +97,8 @@ def load_model(args, device):
         tokenizer = char_tokenizer()
         torch.manual_seed(args.seed)
         model = toy_model(tokenizer).to(device)
+        # checked here too, not only after loading as every model is: before the warm-up's long computation
+        check_length(longest_prompt(args, None, None, tokenizer), args.max_new_tokens, model.config)
         warm_up(model, tokenizer, args.task, args.warmup_steps, args.digits)
         save_atomically(cached, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp),
                                              (tmp / "warmup.json").write_text(json.dumps(settings))))
@@ -272,10 +274,12 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
         torch.set_num_threads(threads(args))
         model, tokenizer = load_model(args, device)
+        longest = longest_prompt(args, train, held_out, tokenizer)
+        check_length(longest, args.max_new_tokens, model.config)
     except (ValueError, OSError) as error:
         sys.exit(f"error: {error}")
     if args.controller is not None:                                  # its bins: prompt + response, in tokens
-        sparse = sparse_config(args, longest_prompt=longest_prompt(args, train, held_out, tokenizer))
+        sparse = sparse_config(args, longest_prompt=longest)
     reward = run_reward(args)
     controller = sparse.schedule if isinstance(sparse.schedule, S.Controller) else None
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl > 0 else None

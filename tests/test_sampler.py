@@ -168,6 +168,8 @@ def test_bfloat16_runs_close_to_float32():
     ([[0, -1]], {}, "token ids outside \\[0, 64\\): min -1, max 0"),
     ([[1, 2]], dict(logprobs_topk=0), "logprobs_topk must be a positive integer, got 0"),
     ([[1, 2]], dict(max_new_tokens=0), "max_new_tokens must be a positive integer, got 0"),
+    ([[1, 2, 3], [4]], dict(max_new_tokens=510), "max_new_tokens 510: the longest prompt \\(3 tokens\\) plus the "
+                                                 "response must fit the model's 512 positions, so at most 509"),
     ([[1, 2]], dict(temperature=-0.5), "temperature must be >= 0"),
     ([[1, 2]], dict(top_p=0.0), "top_p must lie in \\(0, 1\\], got 0.0"),
     ([[1, 2]], dict(top_p=1.5), "top_p must lie in \\(0, 1\\], got 1.5"),
@@ -179,6 +181,14 @@ def test_bad_input_is_refused_before_any_forward_pass(prompts, kwargs, message):
     with pytest.raises(ValueError, match=message):
         generate(model, prompts, SparseConfig("full"), **kwargs)
     assert calls == []
+
+
+def test_a_generation_may_fill_the_models_positions_exactly():
+    # the refusal above starts one token past max_position_embeddings; HF's generate goes that far too
+    model = tiny_model("llama", max_position_embeddings=16)
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    out = generate(model, prompts, SparseConfig("full"), max_new_tokens=12, temperature=0, eos_token_id=None)
+    assert torch.equal(out.tokens, hf_greedy(model, prompts, 12))
 
 
 def test_the_first_and_last_token_ids_are_accepted():
