@@ -211,6 +211,19 @@ def last_checkpoint(out):
     return done[-1] if done else None
 
 
+def set_aside(out):
+    """A fresh start in a folder that holds a run: its checkpoints and logs move to <out>/previous-N, the next free
+    N, so that no restart, stopped early or not, costs an earlier run (delete them by hand). Each move is a rename:
+    stopped halfway, every piece is still in `out` or in that folder. -> the folder."""
+    n = 1 + max([int(p.name.split("-")[1]) for p in out.glob("previous-*") if p.name.split("-")[1].isdigit()],
+                default=0)
+    (out / f"previous-{n}").mkdir()
+    for old in [*out.glob("step-*"), out / "metrics.jsonl", out / "eval.jsonl"]:
+        if old.exists():
+            old.rename(out / f"previous-{n}" / old.name)
+    return out / f"previous-{n}"
+
+
 def load_checkpoint(folder, device, dtype):
     """(policy in eval mode, trainer state) of a checkpoint folder."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()

@@ -45,7 +45,7 @@ from cli import check_args, parse_args
 from evaluate import eval_both, evaluate_only, rewards_of, run_reward
 from kvcache import SparseConfig
 from models import (autocast, last_checkpoint, load_checkpoint, load_pretrained, pick_device,
-                    save_atomically, save_checkpoint, toy_model, warm_up)
+                    save_atomically, save_checkpoint, set_aside, toy_model, warm_up)
 from sampler import check_length, generate
 from tasks import (ALPHABET, char_tokenizer, encode_prompt, held_out_examples, load_jsonl, longest_prompt_chars,
                    make_examples)
@@ -368,19 +368,6 @@ def resume_point(args, out):
         raise ValueError(f"--steps {args.steps} ends before {ckpt.name}: nothing to train (--steps {step} reruns its "
                          "final evaluation, more trains on)")
     return ckpt
-
-
-def set_aside(out):
-    """A fresh start in a folder that holds a run: its checkpoints and logs move to <out>/previous-N, the next free
-    N, so that no restart, stopped early or not, costs an earlier run (delete them by hand). Each move is a rename:
-    stopped halfway, every piece is still in `out` or in that folder. -> the folder."""
-    n = 1 + max([int(p.name.split("-")[1]) for p in out.glob("previous-*") if p.name.split("-")[1].isdigit()],
-                default=0)
-    (out / f"previous-{n}").mkdir()
-    for old in [*out.glob("step-*"), out / "metrics.jsonl", out / "eval.jsonl"]:
-        if old.exists():
-            old.rename(out / f"previous-{n}" / old.name)
-    return out / f"previous-{n}"
 
 
 def restore(state, ckpt, args, opt, lora, lora_opt, controller):
