@@ -1,7 +1,7 @@
 """cli.py: the defaults each kind of run takes, what --help shows, and what the parser refuses.
 
-The checks of bad values (`check_args`) are tested through train.main in tests/test_train.py, where they
-must stop a run before anything is trained.
+The checks of bad values (`check_args`) are run through train.main, where they must stop a run before anything
+is trained; the refusals of train.py's own (resume, caches, model, schedule) are in tests/test_train.py.
 """
 from pathlib import Path
 
@@ -9,6 +9,7 @@ import pytest
 
 import cli
 import models
+import train
 
 
 def test_defaults_are_the_official_sparse_rl_settings():
@@ -76,3 +77,45 @@ def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(argv)
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data", "missing.jsonl", "--model", "x/y"], "data file 'missing.jsonl' does not exist"),
+    (["--group-size", "1"], "--group-size must be >= 2"),
+    (["--group-size", "4", "--keep", "6"], "--keep m must lie in \\[2, group size n=4\\], got 6"),
+    (["--keep", "1"], "--keep m must lie in \\[2, group size n=8\\], got 1"),
+    (["--keep", "0"], "--keep m must lie in \\[2, group size n=8\\], got 0"),
+    (["--prompts", "0"], "--prompts must be >= 1, got 0"),
+    (["--eval-every", "0"], "--eval-every must be >= 1, got 0"),                # else a modulo by zero at step 1
+    (["--data", "d.jsonl"], "--data needs --model"),
+    (["--digits", "5", "3"], "--digits needs 1 <= MIN <= MAX, got \\[5, 3\\]"),
+    (["--data", ".", "--model", "x/y"], "data file '.' is a folder, not a file"),
+    (["--steps", "0", "--controller", "0.86"], "--steps 0 evaluates fixed budgets"),
+    (["--temperature", "0"], "--temperature 0 samples greedily"),
+    (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    (["--band", "0.5", "inf"], "--band must be a finite number, got inf"),
+    (["--seed", str(2 ** 32)], "--seed must be < 2\\*\\*32"),
+    (["--gguf-file", "m.gguf"], "--gguf-file 'm.gguf' needs --model"),
+    (["--steps", "-1"], "--steps must be >= 0, got -1"),
+    (["--eval-budgets", "24"], "--eval-policies and --eval-budgets go with --steps 0"),
+    (["--distill", "kl", "--policy", "full"], "--distill trains an adapter for a sparse sampler"),
+    (["--lora-rank", "0"], "--lora-rank must be >= 1, got 0"),
+    (["--cap", "0"], "--cap must be > 0, got 0.0"),
+    (["--band", "1.5", "0.5"], "need 0 <= low < high for the rho band, got low=1.5, high=0.5"),
+    (["--lr", "-1"], "--lr must be > 0, got -1.0"),
+    (["--veto", "-1"], "--veto must be >= 0, got -1.0"),
+    (["--kl", "-1"], "--kl must be >= 0, got -1.0"),
+    (["--lr", "0"], "--lr must be > 0, got 0.0"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--clip", "0"], "--clip must be > 0, got 0.0"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
+    (["--minibatch", "0"], "--minibatch must be >= 1"),
+    (["--micro-batch", "0"], "--micro-batch must be >= 1, got 0"),
+    (["--schedule", "s.json", "--controller", "0.86"], "give --schedule FILE or --controller THRESHOLD, not both"),
+    (["--controller", "0.86", "--policy", "full"], "--policy full keeps everything"),
+])
+def test_each_bad_value_is_one_clear_line_before_training(tmp_path, argv, message):
+    with pytest.raises(SystemExit, match=message) as exit_info:
+        train.main(argv + ["--out", str(tmp_path / "run")])
+    assert str(exit_info.value).startswith("error: ") and "\n" not in str(exit_info.value)
+    assert not (tmp_path / "run" / "warmup").exists()                 # nothing was trained
