@@ -72,6 +72,15 @@ def test_help_shows_the_value_each_flag_will_have(capsys):
             assert "(default: None)" not in text[text.index(flag + " "):][:300].split(" --")[0], flag
 
 
+def test_block_topk_has_pages_that_fit_the_run():
+    # the toy's budget of 12 is under Sparrow's page of 16, and its 2 layers would both be Sparrow's dense ones:
+    # the toy pages by 4 with layer 0 dense; a real model keeps Sparrow's 16 and 2
+    toy = train.sparse_config(cli.parse_args(["--policy", "blocktopk"]))
+    real = train.sparse_config(cli.parse_args(["--policy", "blocktopk", "--model", "org/name"]))
+    assert (toy.budget, toy.page_size, toy.dense_layers) == (12, 4, 1)
+    assert (real.budget, real.page_size, real.dense_layers) == (512, 16, 2)
+
+
 @pytest.mark.parametrize("argv", [["--task", "count"], ["--policy", "lru"]])
 def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit):

@@ -384,15 +384,6 @@ def test_a_schedule_or_controller_takes_budgets_a_fixed_cache_would_refuse(tmp_p
     assert set(controller.budgets) == {S.HIGH + 904} and controller.high == S.HIGH + 904
 
 
-def test_block_topk_has_pages_that_fit_the_run():
-    # the toy's budget of 12 is under Sparrow's page of 16, and its 2 layers would both be Sparrow's dense ones:
-    # the toy pages by 4 with layer 0 dense; a real model keeps Sparrow's 16 and 2
-    toy = train.sparse_config(train.parse_args(["--policy", "blocktopk"]))
-    real = train.sparse_config(train.parse_args(["--policy", "blocktopk", "--model", "org/name"]))
-    assert (toy.budget, toy.page_size, toy.dense_layers) == (12, 4, 1)
-    assert (real.budget, real.page_size, real.dense_layers) == (512, 16, 2)
-
-
 def test_the_longest_toy_prompt_by_brute_force():
     # pick with 6 digits: bos + "P" + 6 digits + up to 18 letters + "=" = 27 tokens; sort 4-8 digits: 1 + 1 + 8 + 1
     tok = char_tokenizer()
