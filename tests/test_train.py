@@ -42,6 +42,11 @@ def run_in(folder, warm, *argv):
     return model, final, lines
 
 
+def untimed(lines):
+    """Metrics lines without their wall times, the one thing two runs of the same steps may differ in."""
+    return [{k: v for k, v in l.items() if k not in {"rollout_s", "scoring_s", "update_s", "distill_s"}} for l in lines]
+
+
 def test_a_run_writes_every_metric_and_a_loadable_checkpoint(tmp_path, warm):
     model, final, lines = run_in(tmp_path, warm, "--steps", "3", "--save-every", "2", "--ppo-epochs", "2",
                                  "--minibatch", "8")
@@ -58,32 +63,26 @@ def test_a_run_writes_every_metric_and_a_loadable_checkpoint(tmp_path, warm):
     assert set(final) == {"step", "dense", "sparse", "dense_reward", "sparse_reward"}
 
 
-@pytest.mark.parametrize("online", [[], ["--controller", "0.99", "--bin-size", "4"], ["--distill", "ppo-kl"],
-                                    ["--kl", "0.05"]], ids=["budget", "controller", "distill", "kl"])
-def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path, warm, online):
-    _, _, straight = run_in(tmp_path / "straight", warm, "--steps", "4", "--save-every", "2", "--eval-every", "2",
+@pytest.mark.parametrize("online, every, evals", [
+    ([], "2", [0, 2, 4]), (["--controller", "0.99", "--bin-size", "4"], "2", [0, 2, 4]),
+    (["--distill", "ppo-kl"], "2", [0, 2, 4]), (["--kl", "0.05"], "2", [0, 2, 4]),
+    # a longer resumed run keeps no final evaluation that an uninterrupted run lacks: the 2-step run's final
+    # evaluation is at step 2; a 4-step run evaluating every 3 steps has none there
+    ([], "3", [0, 3, 4])], ids=["budget", "controller", "distill", "kl", "no-final-eval-kept"])
+def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path, warm, online, every, evals):
+    _, _, straight = run_in(tmp_path / "straight", warm, "--steps", "4", "--save-every", "2", "--eval-every", every,
                             *online)
     run_in(tmp_path / "split", warm, "--steps", "2", "--save-every", "2", *online)
-    _, _, resumed = run_in(tmp_path / "split", warm, "--steps", "4", "--save-every", "2", "--eval-every", "2",
+    _, _, resumed = run_in(tmp_path / "split", warm, "--steps", "4", "--save-every", "2", "--eval-every", every,
                            "--resume", *online)
     if "--controller" in online:   # the controller's budgets are state too: step 3 samples with moved budgets
         assert straight[2]["budget_by_bin"] != straight[0]["budget_by_bin"]
     if "--distill" in online:      # and the adapter with its optimizer: step 3 samples with theta + phi
         assert (tmp_path / "split" / "step-000002" / "adapter.safetensors").is_file()
-    timing = {"rollout_s", "scoring_s", "update_s", "distill_s"}
-    strip = lambda lines: [{k: v for k, v in l.items() if k not in timing} for l in lines]
-    assert strip(resumed) == strip(straight)                          # steps 1-2 kept, 3-4 recomputed
-    evals = lambda name: (tmp_path / name / "eval.jsonl").read_text()
-    assert evals("split") == evals("straight")
-
-
-def test_a_longer_resumed_run_keeps_no_final_evaluation_that_an_uninterrupted_run_lacks(tmp_path, warm):
-    # the 2-step run's final evaluation is at step 2; a 4-step run evaluating every 3 steps has none there
-    run_in(tmp_path / "straight", warm, "--steps", "4", "--save-every", "2", "--eval-every", "3")
-    run_in(tmp_path / "split", warm, "--steps", "2", "--save-every", "2")
-    run_in(tmp_path / "split", warm, "--steps", "4", "--save-every", "2", "--eval-every", "3", "--resume")
-    steps = lambda name: [json.loads(l)["step"] for l in (tmp_path / name / "eval.jsonl").read_text().splitlines()]
-    assert steps("split") == steps("straight") == [0, 3, 4]
+    assert untimed(resumed) == untimed(straight)                      # steps 1-2 kept, 3-4 recomputed
+    read = lambda name: (tmp_path / name / "eval.jsonl").read_text()
+    assert read("split") == read("straight")
+    assert [json.loads(l)["step"] for l in read("split").splitlines()] == evals
 
 
 def test_a_schedule_file_equal_to_the_budget_gives_the_same_run_and_a_tighter_one_evicts_more(tmp_path, warm):
@@ -93,9 +92,7 @@ def test_a_schedule_file_equal_to_the_budget_gives_the_same_run_and_a_tighter_on
     _, _, fixed = run_in(tmp_path / "fixed", warm, *argv)
     _, _, same = run_in(tmp_path / "same", warm, *argv, "--schedule", str(tmp_path / "constant.json"))
     _, _, tight = run_in(tmp_path / "tight", warm, *argv, "--schedule", str(tmp_path / "tight.json"))
-    timing = {"rollout_s", "scoring_s", "update_s", "distill_s"}
-    assert [{k: v for k, v in l.items() if k not in timing} for l in same] == \
-           [{k: v for k, v in l.items() if k not in timing} for l in fixed]
+    assert untimed(same) == untimed(fixed)
     for line in fixed + tight:                                        # the per-bin metrics cover every token
         assert sum(line["tokens_by_bin"]) == line["tokens"] and len(line["alpha_p05_by_bin"]) == len(line["tokens_by_bin"])
     assert tight[0]["budget_by_bin"][:4] == [6, 6, 6, 8] and fixed[0]["budget_by_bin"][0] == 10
