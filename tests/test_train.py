@@ -135,39 +135,38 @@ def test_malformed_data_file_names_file_and_line(tmp_path):
 
 # ----------------------------------------------------------------------------- the wiring of one step
 
+def spy(monkeypatch, owner, name):
+    """Record every call of owner.name, which still runs: -> the list of (args, kwargs, output) it fills."""
+    calls, real = [], getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **k: calls.append((a, k, real(*a, **k))) or calls[-1][2])
+    return calls
+
+
+EXAMPLES = make_examples("sort", 4, 5, 4, 8)                         # SMALL's 4 prompts of 4-8 digits
+
+
+def small_step(model, tokenizer, args, opt=None, step=3, ref=None, reward=reward_fn("sort")):
+    """train.rl_step on EXAMPLES; by default with SGD at lr 0, which leaves the weights as they are."""
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.0)
+    return train.rl_step(model, ref, opt, tokenizer, EXAMPLES, reward, train.sparse_config(args), args, step)
+
+
 @pytest.fixture
 def spied_step(monkeypatch, warm):
     """One rl_step of the small warm model with every correction call recorded -> (calls, rollouts, reference
     log-probs of the sampled tokens from a plain forward pass of each row, AdamW steps taken)."""
     from reference import full_forward_logprobs
 
-    calls = {}
-
-    def spy(name):
-        real = getattr(train.C, name)
-
-        def wrapper(*args, **kwargs):
-            out = real(*args, **kwargs)
-            calls.setdefault(name, []).append((args, kwargs, out))
-            return out
-        monkeypatch.setattr(train.C, name, wrapper)
-
-    for name in ("rejection_mask", "importance_weights", "policy_loss", "group_advantages"):
-        spy(name)
-    sampled = []
-    real_generate = train.generate
-    monkeypatch.setattr(train, "generate", lambda *a, **k: sampled.append(real_generate(*a, **k)) or sampled[-1])
+    calls = {name: spy(monkeypatch, train.C, name)
+             for name in ("rejection_mask", "importance_weights", "policy_loss", "group_advantages")}
+    sampled = spy(monkeypatch, train, "generate")
     args = train.parse_args(SMALL + ["--ppo-epochs", "2", "--minibatch", "8"])
     model, tokenizer = models.load_pretrained(str(warm))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    steps = []
-    real_step = opt.step
-    monkeypatch.setattr(opt, "step", lambda *a, **k: steps.append(1) or real_step(*a, **k))
-    examples = train.make_examples("sort", args.prompts, 5, *args.digits)
-    reference = None
-    model_copy = __import__("copy").deepcopy(model)                   # the weights before the update: pi_old
-    train.rl_step(model, None, opt, tokenizer, examples, reward_fn("sort"), train.sparse_config(args), args, 7)
-    rollouts = sampled[0]
+    steps = spy(monkeypatch, opt, "step")
+    model_copy = copy.deepcopy(model)                                 # the weights before the update: pi_old
+    small_step(model, tokenizer, args, opt, step=7)
+    rollouts = sampled[0][2]
     reference = torch.zeros_like(rollouts.logprobs)
     for i, prompt in enumerate(rollouts.prompts):
         n = int(rollouts.mask[i].sum())
@@ -213,15 +212,12 @@ def test_by_default_a_batch_is_one_optimizer_step_whatever_the_micro_batch(warm,
     for micro in (3, 64):
         model, tokenizer = models.load_pretrained(str(warm))
         before = torch.cat([p.detach().flatten() for p in model.parameters()])
-        opt, steps = torch.optim.SGD(model.parameters(), lr=1.0), []
-        real_step = opt.step
-        opt.step = lambda *a, **k: steps.append(1) or real_step(*a, **k)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        steps = spy(monkeypatch, opt, "step")
         args.micro_batch = micro
-        examples = train.make_examples("sort", args.prompts, 5, *args.digits)
-        train.rl_step(model, None, opt, tokenizer, examples, reward_fn("sort"), train.sparse_config(args),
-                      args, 3)
+        small_step(model, tokenizer, args, opt)
         moved.append(torch.cat([p.detach().flatten() for p in model.parameters()]) - before)
-        assert steps == [1]
+        assert len(steps) == 1
     assert moved[0].abs().max() > 1e-4 and torch.allclose(moved[0], moved[1], atol=1e-6)
 
 
@@ -244,19 +240,16 @@ def test_no_held_out_prompt_is_a_training_prompt():
 def test_a_step_samples_and_down_samples_from_its_step_seed_and_no_std_only_centres(warm, monkeypatch):
     # the sampler's seed and PODS's generator come from step_seed(seed, step), not from the step alone;
     # --no-std (Dr. GRPO) hands the loss r - mean(group), by hand
-    seen, real_generate, real_advantages = {}, train.generate, train.C.group_advantages
-    monkeypatch.setattr(train, "generate", lambda *a, **k: seen.update(sample=k["seed"]) or real_generate(*a, **k))
-    monkeypatch.setattr(train.C, "downsample", lambda rewards, n, m, how, generator: seen.update(
-        draw=generator.initial_seed()) or torch.arange(len(rewards)).view(-1, n)[:, :m].flatten())
-    monkeypatch.setattr(train.C, "group_advantages", lambda r, n, **k: seen.update(
-        rewards=r, advantages=real_advantages(r, n, **k)[0]) or real_advantages(r, n, **k))
+    sampled, centred, draws = spy(monkeypatch, train, "generate"), spy(monkeypatch, train.C, "group_advantages"), []
+    monkeypatch.setattr(train.C, "downsample", lambda rewards, n, m, how, generator: draws.append(
+        generator.initial_seed()) or torch.arange(len(rewards)).view(-1, n)[:, :m].flatten())
     args = train.parse_args(SMALL + ["--seed", "2", "--keep", "2", "--downsample", "random", "--no-std"])
     model, tokenizer = models.load_pretrained(str(warm))
-    train.rl_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), tokenizer,
-                  train.make_examples("sort", 4, 5, 4, 8), reward_fn("sort"), train.sparse_config(args), args, 3)
-    assert seen["sample"] == seen["draw"] == 2 * 100_003 + 3
-    r = seen["rewards"].view(-1, 2)
-    assert torch.allclose(seen["advantages"], (r - r.mean(-1, keepdim=True)).flatten())
+    small_step(model, tokenizer, args)
+    assert sampled[-1][1]["seed"] == draws[-1] == 2 * 100_003 + 3
+    (rewards, _), _, (advantages, _) = centred[-1]
+    r = rewards.view(-1, 2)
+    assert torch.allclose(advantages, (r - r.mean(-1, keepdim=True)).flatten())
 
 
 def test_the_controller_takes_the_runs_cache_settings():
@@ -267,17 +260,13 @@ def test_the_controller_takes_the_runs_cache_settings():
 
 
 def test_random_down_sampling_is_a_function_of_seed_and_step(warm, monkeypatch):
-    kept = []
-    real = train.C.downsample
-    monkeypatch.setattr(train.C, "downsample", lambda *a, **k: kept.append(real(*a, **k)) or kept[-1])
+    kept = spy(monkeypatch, train.C, "downsample")
     args = train.parse_args(SMALL + ["--keep", "2", "--downsample", "random"])
     model, tokenizer = models.load_pretrained(str(warm))
     for global_seed in (0, 1):                                      # the global RNG must not matter
         torch.manual_seed(global_seed)
-        train.rl_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), tokenizer,
-                      train.make_examples("sort", 4, 5, 4, 8), reward_fn("sort"), train.sparse_config(args),
-                      args, 3)
-    assert torch.equal(kept[0], kept[1])
+        small_step(model, tokenizer, args)
+    assert torch.equal(kept[0][2], kept[1][2])
 
 
 def test_resume_survives_a_half_written_line_and_reads_state_with_weights_only(tmp_path, warm):
@@ -392,22 +381,12 @@ def test_the_longest_toy_prompt_by_brute_force():
 
 def test_training_and_calibration_measure_alpha_with_one_k(monkeypatch):
     # the 0.86 threshold is held in training and in calibration: both must sum alpha over the same top-k
-    seen = []
-    real = S.generate
-
-    def spy(*a, **k):
-        out = real(*a, **k)
-        seen.append(out.topk_ids.shape[-1])                          # the k the rollouts carry
-        return out
     model = models.toy_model(char_tokenizer())
-    monkeypatch.setattr(S, "generate", spy)
+    calibrated, trained = spy(monkeypatch, S, "generate"), spy(monkeypatch, train, "generate")
     S.measure(model, [[1, 5, 6]], SparseConfig("snapkv", budget=8, interval=2, window=2, sink=2), 4)
-    monkeypatch.setattr(train, "generate", spy)
-    args = train.parse_args(SMALL)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    train.rl_step(model, None, opt, char_tokenizer(), make_examples("sort", 4, 5, 4, 8), reward_fn("sort"),
-                  train.sparse_config(args), args, 1)
+    small_step(model, char_tokenizer(), train.parse_args(SMALL), torch.optim.AdamW(model.parameters(), lr=1e-5), 1)
     assert ALPHA_TOPK == 64 and model.config.vocab_size == 34
+    seen = [out.topk_ids.shape[-1] for _, _, out in calibrated + trained]     # the k the rollouts carry
     assert seen == [34, 34]                                           # min(64, V): the whole toy vocabulary
 
 
@@ -456,10 +435,8 @@ def test_rl_step_gives_the_loss_what_the_flags_say_against_a_plain_recomputation
     from itertools import combinations
     from reference import full_forward_logprobs
 
-    calls, sampled, norms = [], [], []
-    real_loss, real_generate, real_clip = train.C.policy_loss, train.generate, torch.nn.utils.clip_grad_norm_
-    monkeypatch.setattr(train.C, "policy_loss", lambda *a, **k: calls.append((a, k)) or real_loss(*a, **k))
-    monkeypatch.setattr(train, "generate", lambda *a, **k: sampled.append(real_generate(*a, **k)) or sampled[-1])
+    calls, sampled, norms = spy(monkeypatch, train.C, "policy_loss"), spy(monkeypatch, train, "generate"), []
+    real_clip = torch.nn.utils.clip_grad_norm_
 
     def clip_spy(params, max_norm, *a, **k):
         params = list(params)
@@ -472,11 +449,10 @@ def test_rl_step_gives_the_loss_what_the_flags_say_against_a_plain_recomputation
                                      "--veto", "0.01", "--cap", "1.2", "--correction", correction])
     model, tokenizer = models.load_pretrained(str(warm))
     pi_old, ref = copy.deepcopy(model), models.toy_model(tokenizer)   # ref: random weights, another policy
-    examples = make_examples("sort", 4, 5, *args.digits)
     credit = lambda text, answer: sum(a == b for a, b in zip(text, answer)) / len(answer)   # partial credit
-    metrics = train.rl_step(model, ref, torch.optim.AdamW(model.parameters(), lr=1e-5), tokenizer, examples,
-                            credit, train.sparse_config(args), args, 3)
-    rollouts, T = sampled[0], 0.8
+    metrics = small_step(model, tokenizer, args, torch.optim.AdamW(model.parameters(), lr=1e-5), ref=ref,
+                         reward=credit)
+    rollouts, T, examples = sampled[0][2], 0.8, EXAMPLES
     lengths = rollouts.mask.sum(-1).long().tolist()
     rewards, old, logp_ref = [], torch.zeros_like(rollouts.logprobs), torch.zeros_like(rollouts.logprobs)
     for i, n in enumerate(lengths):                                    # consecutive groups of 4
@@ -488,9 +464,9 @@ def test_rl_step_gives_the_loss_what_the_flags_say_against_a_plain_recomputation
     assert metrics["reward"] == pytest.approx(sum(rewards) / 16)
     assert metrics["accuracy"] == sum(r == 1 for r in rewards) / 16 < metrics["reward"]
     # the rows each micro-batch trained on, found by their pi_old; 8 in all, 2 of each group of 4
-    rows = [i for a, _ in calls for j in range(len(a[1]))
+    rows = [i for a, _, _ in calls for j in range(len(a[1]))
             for i in [next(i for i in range(16) if torch.allclose(a[1][j], old[i], atol=1e-4))]]
-    assert [len(a[1]) for a, _ in calls] == [3, 3, 2] and sorted(i // 4 for i in rows) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [len(a[1]) for a, _, _ in calls] == [3, 3, 2] and sorted(i // 4 for i in rows) == [0, 0, 1, 1, 2, 2, 3, 3]
     adv = {}
     for g in range(4):
         a, b = [rewards[i] for i in rows if i // 4 == g]
@@ -512,7 +488,7 @@ def test_rl_step_gives_the_loss_what_the_flags_say_against_a_plain_recomputation
     k3 = torch.exp(logp_ref[rows] - old[rows]) - 1 - (logp_ref[rows] - old[rows])
     loss = ((-weights * A + 0.05 * k3) * kept).sum() / real.sum()    # token-mean; r = 1 on the first update
     at = 0
-    for (logp, logp_old, advantages, mask, w, clip), kwargs in calls:
+    for (logp, logp_old, advantages, mask, w, clip), kwargs, _ in calls:
         n = len(logp)
         assert clip == 0.3 and kwargs["kl_coef"] == 0.05 and kwargs["agg"] == "token-mean"
         assert torch.allclose(logp * real[at:at + n], old[rows[at:at + n]], atol=1e-4)    # pi_theta = pi_old
