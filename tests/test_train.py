@@ -126,11 +126,14 @@ def test_bad_input_is_one_clear_line_before_training(tmp_path, argv, message):
     assert not (tmp_path / "run" / "warmup").exists()                 # nothing was trained
 
 
-def test_malformed_data_file_names_file_and_line(tmp_path):
-    data = tmp_path / "bad.jsonl"
-    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": oops}\n')
-    with pytest.raises(SystemExit, match="bad.jsonl.*line 2"):
-        train.main(["--data", str(data), "--model", str(tmp_path), "--out", str(tmp_path / "run")])
+@pytest.mark.parametrize("name, text, message", [
+    ("bad.jsonl", '{"question": "1+1?", "answer": "#### 2"}\n{"question": oops}\n', "bad.jsonl.*line 2"),
+    ("small.jsonl", "".join('{"question": "1+%d?", "answer": "#### %d"}\n' % (i, i + 1) for i in range(10)),
+     "leaves 0 training examples after the 256 held out")], ids=["malformed", "smaller-than-the-held-out-split"])
+def test_a_malformed_or_too_small_data_file_is_refused(tmp_path, name, text, message):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit, match=message):
+        train.main(["--data", str(tmp_path / name), "--model", str(tmp_path), "--out", str(tmp_path / "run")])
 
 
 # ----------------------------------------------------------------------------- the wiring of one step
@@ -298,19 +301,12 @@ def test_resume_survives_a_half_written_line_and_reads_state_with_weights_only(t
     assert (kept / "step-000003").is_dir() and (tmp_path / "previous-2" / "step-000001").is_dir()
 
 
-
 def test_an_out_that_is_a_file_is_one_clear_line(tmp_path):
     (tmp_path / "afile").write_text("")
     for out, message in ((tmp_path / "afile", "--out '.*afile' is a file, not a folder"),
                          (tmp_path / "afile" / "sub", "Not a directory")):
         with pytest.raises(SystemExit, match=message):
             train.main(["--out", str(out)])
-
-def test_a_data_file_smaller_than_the_held_out_split_is_refused(tmp_path):
-    data = tmp_path / "small.jsonl"
-    data.write_text("".join('{"question": "1+%d?", "answer": "#### %d"}\n' % (i, i + 1) for i in range(10)))
-    with pytest.raises(SystemExit, match="leaves 0 training examples after the 256 held out"):
-        train.main(["--data", str(data), "--model", str(tmp_path), "--out", str(tmp_path / "run")])
 
 
 def test_steps_0_evaluates_the_warm_up_dense_and_under_each_cache(tmp_path, warm, capsys):
