@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import correction
 from correction import (acceptance, dense_logprobs, downsample, group_advantages, importance_weights,
                         mismatch_stats, policy_loss, rejection_mask, response_logprobs)
-from sampler import Rollouts
+from kvcache import SparseConfig
+from sampler import Rollouts, generate
 
 LN2 = math.log(2)
 
@@ -104,17 +105,13 @@ def test_mismatch_stats_by_hand():
     stats = mismatch_stats(logp_dense, logp_sparse, mask, topk_dense, topk_sparse)
     ln08 = math.log(0.8)
     assert stats["tokens"] == 4
-    assert stats["rho_mean"] == pytest.approx((1 + 2 + 0.8 + 0.25) / 4, rel=1e-5)
-    assert stats["rho_min"] == pytest.approx(0.25, rel=1e-5)
-    assert stats["rho_max"] == pytest.approx(2.0, rel=1e-5)
-    assert stats["rho_p05"] == pytest.approx(0.25 + 0.15 * 0.55, rel=1e-5)  # sorted .25 .8 1 2, at 0.15
-    assert stats["rho_p50"] == pytest.approx(0.9, rel=1e-5)
-    assert stats["rho_p95"] == pytest.approx(1 + 0.85 * 1, rel=1e-5)   # at 2.85: 1 + 0.85 * (2 - 1)
-    assert stats["kl_k1"] == pytest.approx(-(0 + LN2 + ln08 - 2 * LN2) / 4, rel=1e-5)
+    # rho sorted .25 .8 1 2: p05 at 0.15, p95 at 2.85, 1 + 0.85 * (2 - 1); alpha sorted .2 .7 .8 1
+    expected = dict(rho_mean=(1 + 2 + 0.8 + 0.25) / 4, rho_min=0.25, rho_max=2.0, rho_p05=0.25 + 0.15 * 0.55,
+                    rho_p50=0.9, rho_p95=1 + 0.85 * 1, kl_k1=-(0 + LN2 + ln08 - 2 * LN2) / 4,
+                    alpha_mean=(0.7 + 1.0 + 0.2 + 0.8) / 4, alpha_p05=0.2 + 0.15 * 0.5)
+    assert {key: stats[key] for key in expected} == pytest.approx(expected, rel=1e-5)
     assert stats["kl_k3"] == pytest.approx(((2 - 1 - LN2) + (0.8 - 1 - ln08) + (0.25 - 1 + 2 * LN2)) / 4, rel=1e-4)
     assert stats["out_of_band"] == pytest.approx(0.5)  # 2.0 and 0.25 lie outside [0.5, 1.5]
-    assert stats["alpha_mean"] == pytest.approx((0.7 + 1.0 + 0.2 + 0.8) / 4, rel=1e-5)
-    assert stats["alpha_p05"] == pytest.approx(0.2 + 0.15 * 0.5, rel=1e-5)  # sorted .2 .7 .8 1
 
 
 def test_mismatch_stats_closed_band_and_kl_in_float64():
@@ -491,22 +488,18 @@ def test_rescoring_chunk_size_and_checkpointing(tiny_llama, monkeypatch):
 
 
 def test_dense_logprobs_matches_the_sampler_only_without_eviction(tiny_llama):
-    from kvcache import SparseConfig
-    from sampler import generate
-    prompts = [[1, 5, 7, 9, 11], [1, 9, 3], [2, 4, 6, 8, 10, 12, 14]]
-    full = generate(tiny_llama, prompts, SparseConfig("full"), max_new_tokens=40, temperature=0.8, seed=0,
-                    logprobs_topk=64)
-    logp, topk = dense_logprobs(tiny_llama, full, batch_size=2, temperature=0.8, topk=True)
-    real = full.mask > 0
-    assert (logp - full.logprobs)[real].abs().max() < 1e-4
-    assert mismatch_stats(logp, full.logprobs, full.mask, topk, full.topk_logprobs)["alpha_p05"] > 1 - 1e-4
-    snapkv = SparseConfig("snapkv", budget=8, window=2, sink=2, interval=1)
-    sparse = generate(tiny_llama, prompts, snapkv, max_new_tokens=40, temperature=0.8, seed=0, logprobs_topk=64)
-    assert sparse.stats["compressions"] > 0
-    logp, topk = dense_logprobs(tiny_llama, sparse, batch_size=2, temperature=0.8, topk=True)
-    real = sparse.mask > 0
-    assert (logp - sparse.logprobs)[real].abs().max() > 1e-2
-    assert mismatch_stats(logp, sparse.logprobs, sparse.mask, topk, sparse.topk_logprobs)["alpha_p05"] < 0.999
+    def sample_and_rescore(config):
+        """40 tokens sampled through `config` -> (sampler stats, largest |dense - sampled| log-prob, alpha p05)."""
+        out = generate(tiny_llama, [[1, 5, 7, 9, 11], [1, 9, 3], [2, 4, 6, 8, 10, 12, 14]], config,
+                       max_new_tokens=40, temperature=0.8, seed=0, logprobs_topk=64)
+        logp, topk = dense_logprobs(tiny_llama, out, batch_size=2, temperature=0.8, topk=True)
+        alpha_p05 = mismatch_stats(logp, out.logprobs, out.mask, topk, out.topk_logprobs)["alpha_p05"]
+        return out.stats, (logp - out.logprobs)[out.mask > 0].abs().max(), alpha_p05
+
+    _, gap, alpha_p05 = sample_and_rescore(SparseConfig("full"))
+    assert gap < 1e-4 and alpha_p05 > 1 - 1e-4
+    stats, gap, alpha_p05 = sample_and_rescore(SparseConfig("snapkv", budget=8, window=2, sink=2, interval=1))
+    assert stats["compressions"] > 0 and gap > 1e-2 and alpha_p05 < 0.999
 
 
 # ----------------------------------------------------------------------------- 6. bad input
