@@ -118,6 +118,8 @@ def test_dense_grpo_raises_the_reward(tmp_path, warm):
     (["--steps", "0", "--eval-budgets", "0"], "budget must be a positive integer, got 0"),
     (["--controller", "1.5"], "threshold must lie in \\[0, 1\\], got 1.5"),
     (["--schedule", "no-such.json"], "cannot read a schedule from no-such.json"),
+    (["--max-new-tokens", "102"], "max_new_tokens 102: the longest prompt \\(27 tokens\\) plus the response must fit "
+                                  "the model's 128 positions, so at most 101"),   # checked before the toy's warm-up
 ])
 def test_bad_input_is_one_clear_line_before_training(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message) as exit_info:
@@ -244,14 +246,20 @@ def test_a_step_samples_and_down_samples_from_its_step_seed_and_no_std_only_cent
     # the sampler's seed and PODS's generator come from step_seed(seed, step), not from the step alone;
     # --no-std (Dr. GRPO) hands the loss r - mean(group), by hand
     sampled, centred, draws = spy(monkeypatch, train, "generate"), spy(monkeypatch, train.C, "group_advantages"), []
-    monkeypatch.setattr(train.C, "downsample", lambda rewards, n, m, how, generator: draws.append(
-        generator.initial_seed()) or torch.arange(len(rewards)).view(-1, n)[:, :m].flatten())
+
+    def lowest_and_highest(rewards, n, m, how, generator):   # kept pairs that differ: else every advantage is 0
+        draws.append(generator.initial_seed())
+        groups, first = rewards.view(-1, n), torch.arange(0, len(rewards), n)
+        return torch.stack([first + groups.argmin(-1), first + groups.argmax(-1)], -1).flatten()
+
+    monkeypatch.setattr(train.C, "downsample", lowest_and_highest)
     args = train.parse_args(SMALL + ["--seed", "2", "--keep", "2", "--downsample", "random", "--no-std"])
     model, tokenizer = models.load_pretrained(str(warm))
     small_step(model, tokenizer, args)
     assert sampled[-1][1]["seed"] == draws[-1] == 2 * 100_003 + 3
     (rewards, _), _, (advantages, _) = centred[-1]
     r = rewards.view(-1, 2)
+    assert (r[:, 0] != r[:, 1]).any(), "no kept pair differs: centred and scaled advantages would be equal (0)"
     assert torch.allclose(advantages, (r - r.mean(-1, keepdim=True)).flatten())
 
 
