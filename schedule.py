@@ -204,12 +204,11 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
     """The smallest candidate budget per length bin that keeps the tail >= threshold (section 6).
 
     Generates once per candidate budget and measures the tail per bin against dense re-scoring;
-    a bin no candidate satisfies falls back to dense (None). Budgets are then made non-decreasing
-    in the context (eviction is irreversible: a long context never gets back what a short one
-    dropped). A schedule evicts earlier than a constant budget does, so the result is re-measured, and
-    the earliest bin still below the threshold moves a budget to its next candidate: its own, or that of
-    the latest earlier bin that evicts (`blamed_bin`, the controller's rule; block top-k: its own if it
-    attends fewer pages than its contexts hold), until every bin passes or no bin is left to blame.
+    a bin no candidate satisfies falls back to dense (None). Budgets are then made non-decreasing in the
+    context (eviction is irreversible: a long context never gets back what a short one dropped). A schedule
+    evicts earlier than a constant budget does, so the result is re-measured, and the earliest failing bin
+    with a bin to blame moves that bin's budget to its next candidate (`blamed_bin`, the controller's rule),
+    until every bin passes or no bin is left to blame.
     Returns (Schedule, rows): one row per bin {bins, budget, tail, tokens} of the final measurement,
     plus `profile`: the tail the bin had at each candidate budget held constant (nan: no token).
     `sampling`: temperature, eos_token_id, pad_token_id, seed (as `sampler.generate`), adapter (`measure`).
@@ -254,10 +253,8 @@ class Controller:
     free, so `update(alpha, positions)` costs a quantile per bin and no forward pass. (Outside
     training the probe is `measure` on a few rows: one dense forward over prompt + response each.)
     The rule, per update:
-    - a bin whose tail is below `threshold` multiplies a budget by `up` (fast: a collapse is costly):
-      `blamed_bin`'s. Its own if it evicts; if it does not, what it misses was dropped earlier, for good,
-      so the latest earlier bin that evicts; if none does, eviction is not the cause and nothing moves.
-      With `page_size` (block top-k) nothing is dropped for good, so its own, if it skips pages;
+    - a bin whose tail is below `threshold` multiplies `blamed_bin`'s budget by `up` (fast: a collapse
+      is costly); if it blames none, eviction is not the cause and nothing moves;
     - a bin above `threshold + band`, with no failing bin at or after it, lowers its budget by `step` (slow);
     - bins with fewer than `min_tokens` tokens are left alone; contexts past the last bin count in
       it (its budget holds there); budgets stay in [low, high] and non-decreasing.
