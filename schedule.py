@@ -22,6 +22,7 @@ import json
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -224,8 +225,7 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
     choice = [next((k for k in range(len(options) - 1) if not tail(i, k) < threshold), len(options) - 1)
               for i in range(n)]
     while True:
-        for i in range(1, n):                                         # non-decreasing with the context
-            choice[i] = max(choice[i], choice[i - 1])
+        choice = list(accumulate(choice, max))                        # running max: non-decreasing in the context
         schedule = piecewise([i * bin_size for i in range(n)], [options[k] for k in choice])
         alpha, positions = measure(model, prompts, replace(sparse, schedule=schedule), max_new_tokens, **sampling)
         measured, counts = tail_by_bin(alpha, positions, bin_size, q)
@@ -303,9 +303,7 @@ class Controller:
         for i in seen:
             if tails[i] > self.threshold + self.band and not any(f >= i for f in failing):
                 budgets[i] = max(self.low, budgets[i] - self.step)
-        for i in range(1, len(budgets)):
-            budgets[i] = max(budgets[i], budgets[i - 1])
-        self.schedule = piecewise(self.bins, budgets)
+        self.schedule = piecewise(self.bins, list(accumulate(budgets, max)))   # running max: non-decreasing
         return self.schedule
 
 
