@@ -332,30 +332,28 @@ def shape(config):
     return L, n, n_kv, d, params
 
 
-def cost(config, context, budget=None, batch=1, page_size=None, dense_layers=0, bytes_per=2,
-         intensity=H100_INTENSITY):
+def cost(config, context, budget=None, batch=1, page_size=None, dense_layers=0, bytes_per=2, intensity=H100_INTENSITY):
     """One decode step's cost for `batch` rows at `context` tokens (section 6, after Kinetics).
 
     FLOPs: 2 * P for the weights per row, plus 4 * heads * head_dim * kv_len per layer (QK and PV).
     Bytes: the weights once per step, plus the K and V of the kv_len tokens read per layer and row.
-    A sparse layer reads kv_len = min(context, budget) (page_size given: blocktopk, which attends
-    budget // page_size pages plus the first and 2 newest, and scores context / page_size mean keys per
-    KV head first);
+    A sparse layer reads kv_len = min(context, budget) (page_size given: blocktopk, which attends budget //
+    page_size pages plus the first and 2 newest, and scores context / page_size mean keys per KV head first);
     the first `dense_layers` and any budget >= context (or None) read everything.
     Returns dict(flops, bytes, cost) with cost = flops + intensity * bytes (effective FLOPs).
     """
     L, n, n_kv, d, P = shape(config)
-    dense = budget is None or budget >= context
+    sparse = 0 if budget is None or budget >= context else L - min(dense_layers, L)   # the layers that read less
     kv = context
-    if not dense:   # blocktopk: the budget's pages and the reserved ones
+    if sparse:   # blocktopk: the budget's pages and the reserved ones
         kv = min(context, (budget // page_size + RESERVED_PAGES) * page_size if page_size else budget)
-    kv_per_layer = [context] * min(dense_layers, L) + [kv] * (L - min(dense_layers, L))
-    flops = batch * (2 * P + sum(4 * n * d * k for k in kv_per_layer))
-    data = bytes_per * (P + batch * sum(2 * n_kv * d * k for k in kv_per_layer))
-    if page_size and not dense:
-        pages, sparse_layers = -(-context // page_size), L - min(dense_layers, L)
-        flops += batch * sparse_layers * 2 * n_kv * d * pages             # group-mean query . mean key
-        data += bytes_per * batch * sparse_layers * n_kv * d * pages      # the mean keys are read
+    read = (L - sparse) * context + sparse * kv                       # kv_len summed over the layers
+    flops = batch * (2 * P + 4 * n * d * read)
+    data = bytes_per * (P + batch * 2 * n_kv * d * read)
+    if page_size and sparse:
+        pages = -(-context // page_size)
+        flops += batch * sparse * 2 * n_kv * d * pages                # group-mean query . mean key
+        data += bytes_per * batch * sparse * n_kv * d * pages         # the mean keys are read
     return dict(flops=flops, bytes=data, cost=flops + intensity * data)
 
 
