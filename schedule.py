@@ -34,7 +34,6 @@ from kvcache import DENSE, POLICIES, SparseConfig
 from models import DTYPES, autocast, load_pretrained, pick_device
 from policies import RESERVED_PAGES
 from sampler import generate
-from tasks import TOY_TASKS
 
 THRESHOLD = 0.86  # Sparrow: runs whose 5th-percentile acceptance stayed >= 0.86 trained stably
 HIGH = 4096       # the controller's largest budget, unless it starts above it
@@ -423,7 +422,7 @@ def parse_args(argv=None):
         if args.warmup.get("model"):
             p.error(f"{args.model!r} was trained from --model {args.warmup['model']}: --calibrate takes the toy "
                     "warm-up or a toy run's checkpoint (its prompts are the toy task's)")
-        for name, value in TOY_TASKS[args.warmup["task"]].items():     # the run's settings where none given
+        for name, value in tasks.TOY_TASKS[args.warmup["task"]].items():     # the run's settings where none given
             if getattr(args, name, 0) is None:
                 setattr(args, name, value)
         if args.adapter and not Path(args.adapter).is_file():
