@@ -1,17 +1,15 @@
 """Sparsity schedules: the budget as a function of the context length (docs/method.md sections 3, 4, 6).
 
-A fixed budget is too aggressive late in a long generation (the tail of the acceptance falls as
-the context grows) or too lenient early. Sparrow keeps the 5th percentile of the per-token
-acceptance `alpha_t = 1 - TV(p_dense, p_sparse)` in each length bin above a threshold (0.86) with
-a piecewise-constant budget that grows with the context, found offline per bin.
+A fixed budget is too aggressive late in a long generation (the acceptance's tail falls as the context grows) or
+too lenient early. Sparrow keeps the 5th percentile of `alpha_t = 1 - TV(p_dense, p_sparse)` in each length bin
+above a threshold (0.86) with a piecewise-constant budget that grows with the context, found offline per bin.
 
 What is notable here:
 - `Schedule` is a callable `context length -> budget` that the cache (`kvcache.SparseConfig(schedule=...)`)
   asks at every decode step: a row is due for compression when its length passes budget + interval,
   and block top-k attends budget // page_size pages; `None` in a bin means dense.
-- `calibrate` is Sparrow's offline profiling; `Controller` is the online variant (ours, not in
-  the paper): per-bin budgets nudged after every rollout batch from the acceptance the trainer
-  already measures when it re-scores densely, so its probe costs no extra forward pass.
+- `calibrate` is Sparrow's offline profiling; `Controller` is the online variant (ours, not in the paper):
+  per-bin budgets nudged after every rollout batch from the acceptance the trainer already measures: no extra pass.
 - `cost` / `speedup`: the per-step cost model of section 6 (after Kinetics) for any HF config.
 
     python train.py --steps 0 && python schedule.py --calibrate       # the toy warm-up train.py makes in out/warmup
@@ -153,10 +151,9 @@ def measure(model, prompts, sparse, max_new_tokens, temperature=1.0, eos_token_i
             adapter=None):
     """Sample with `sparse`, re-score densely -> (alpha [N, T], positions [N, T], -1 off the responses).
 
-    The acceptance sums over the sampler's top-k ids, k = min(vocabulary, correction.ALPHA_TOPK), the
-    same k as in training: exact on small vocabularies, a lower bound on large ones (section 4), so the
-    threshold means the same thing in both. With a DistillSparse `adapter`, the
-    sampler is theta + phi; the dense policy is always theta alone.
+    The acceptance sums over the sampler's top-k ids, k = min(vocabulary, correction.ALPHA_TOPK) as in training:
+    exact on small vocabularies, a lower bound on large ones (section 4), so the threshold means the same in both.
+    With a DistillSparse `adapter` the sampler is theta + phi; the dense policy is always theta alone.
     """
     with adapter.on() if adapter else nullcontext():
         out = generate(model, prompts, sparse, max_new_tokens, temperature, eos_token_id=eos_token_id,
@@ -245,16 +242,15 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
 class Controller:
     """An online schedule: per-bin budgets that follow the measured tail, with no offline profiling.
 
-    The probe: after each rollout batch the trainer already re-scores every sampled token densely
-    (pi_old, docs/method.md section 1), at the sampler's top-k ids; `acceptance` of those is alpha_t for
-    free, so `update(alpha, positions)` costs a quantile per bin and no forward pass. (Outside
-    training the probe is `measure` on a few rows: one dense forward over prompt + response each.)
+    The probe is free: after each rollout batch the trainer already re-scores every sampled token densely
+    (pi_old, docs/method.md section 1) at the sampler's top-k ids, so `update(alpha, positions)` costs a quantile
+    per bin and no forward pass (outside training: `measure` on a few rows, a dense forward over each).
     The rule, per update:
-    - a bin whose tail is below `threshold` multiplies `blamed_bin`'s budget by `up` (fast: a collapse
-      is costly); if it blames none, eviction is not the cause and nothing moves;
+    - a bin whose tail is below `threshold` multiplies `blamed_bin`'s budget by `up` (fast: a collapse is
+      costly); if it blames none, eviction is not the cause and nothing moves;
     - a bin above `threshold + band`, with no failing bin at or after it, lowers its budget by `step` (slow);
-    - bins with fewer than `min_tokens` tokens are left alone; contexts past the last bin count in
-      it (its budget holds there); budgets stay in [low, high] and non-decreasing.
+    - bins with fewer than `min_tokens` tokens are left alone; contexts past the last bin count in it (its
+      budget holds there); budgets stay in [low, high] and non-decreasing.
     Usable wherever a Schedule is: `SparseConfig(policy, schedule=controller)`.
     """
 
@@ -332,9 +328,7 @@ def shape(config):
 def cost(config, context, budget=None, batch=1, page_size=None, dense_layers=0, bytes_per=2, intensity=H100_INTENSITY):
     """One decode step's cost for `batch` rows at `context` tokens (section 6, after Kinetics).
 
-    FLOPs: 2 * P for the weights per row, plus 4 * heads * head_dim * kv_len per layer (QK and PV).
-    Bytes: the weights once per step, plus the K and V of the kv_len tokens read per layer and row.
-    A sparse layer reads kv_len = min(context, budget) (page_size given: blocktopk, which attends budget //
+    A sparse layer reads kv_len = min(context, budget) tokens (page_size given: blocktopk, which attends budget //
     page_size pages plus the first and 2 newest, and scores context / page_size mean keys per KV head first);
     the first `dense_layers` and any budget >= context (or None) read everything.
     Returns dict(flops, bytes, cost) with cost = flops + intensity * bytes (effective FLOPs).
@@ -342,11 +336,11 @@ def cost(config, context, budget=None, batch=1, page_size=None, dense_layers=0, 
     L, n, n_kv, d, P = shape(config)
     sparse = 0 if budget is None or budget >= context else L - min(dense_layers, L)   # the layers that read less
     kv = context
-    if sparse:   # blocktopk: the budget's pages and the reserved ones
+    if sparse:   # eviction: the budget; blocktopk: the budget's pages and the reserved ones
         kv = min(context, (budget // page_size + RESERVED_PAGES) * page_size if page_size else budget)
     read = (L - sparse) * context + sparse * kv                       # kv_len summed over the layers
-    flops = batch * (2 * P + 4 * n * d * read)
-    data = bytes_per * (P + batch * 2 * n_kv * d * read)
+    flops = batch * (2 * P + 4 * n * d * read)                        # per row: 2 * P for the weights, QK and PV
+    data = bytes_per * (P + batch * 2 * n_kv * d * read)              # the weights once a step, each row's K and V
     if page_size and sparse:
         pages = -(-context // page_size)
         flops += batch * sparse * 2 * n_kv * d * pages                # group-mean query . mean key
