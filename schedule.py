@@ -201,9 +201,9 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
     Generates once per candidate budget and measures the tail per bin against dense re-scoring;
     a bin no candidate satisfies falls back to dense (None). Budgets are then made non-decreasing in the
     context (eviction is irreversible: a long context never gets back what a short one dropped). A schedule
-    evicts earlier than a constant budget does, so the result is re-measured, and the earliest failing bin
-    with a bin to blame moves that bin's budget to its next candidate (`blamed_bin`, the controller's rule),
-    until every bin passes or no bin is left to blame.
+    evicts earlier than a constant budget does, so the result is re-measured, and the earliest bin blamed for a
+    failing bin (`blamed_bin`, the controller's rule) moves to its next candidate, until every bin passes or no
+    bin is left to blame.
     Returns (Schedule, rows): one row per bin {bins, budget, tail, tokens} of the final measurement,
     plus `profile`: the tail the bin had at each candidate budget held constant (nan: no token).
     `sampling`: temperature, eos_token_id, pad_token_id, seed (as `sampler.generate`), adapter (`measure`).
@@ -220,16 +220,16 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
               for i in range(n)]
     while True:
         choice = list(accumulate(choice, max))                        # running max: non-decreasing in the context
-        schedule = piecewise([i * bin_size for i in range(n)], [options[k] for k in choice])
+        budgets = [options[k] for k in choice]
+        schedule = piecewise([i * bin_size for i in range(n)], budgets)
         alpha, positions = measure(model, prompts, replace(sparse, schedule=schedule), max_new_tokens, **sampling)
         measured, counts = tail_by_bin(alpha, positions, bin_size, q)
         longest = longest_by_bin(positions, bin_size, len(measured))
-        movable = [blamed_bin(i, [options[k] for k in choice], longest, sparse.interval, sparse.pages)
-                   for i in range(min(n, len(measured))) if measured[i] < threshold]
-        movable = [j for j in movable if j is not None]
-        if not movable:
+        blamed = {blamed_bin(i, budgets, longest, sparse.interval, sparse.pages)
+                  for i in range(min(n, len(measured))) if measured[i] < threshold} - {None}
+        if not blamed:
             break
-        choice[movable[0]] += 1                                       # one bin at a time, earliest first
+        choice[min(blamed)] += 1                                      # one bin at a time, the earliest first
     rows = [dict(bins=(i * bin_size, (i + 1) * bin_size), budget=options[choice[i]],
                  tail=float(measured[i]) if i < len(measured) else float("nan"),
                  tokens=int(counts[i]) if i < len(counts) else 0,
