@@ -265,13 +265,8 @@ class Controller:
         self.step, self.up, self.band, self.min_tokens, self.q = step, up, band, min_tokens, q
         self.schedule = piecewise([i * bin_size for i in range(bins)], [start] * bins)
 
-    @property
-    def budgets(self):
-        return self.schedule.budgets
-
-    @property
-    def bins(self):
-        return self.schedule.bins
+    bins = property(lambda self: self.schedule.bins)         # read-only, as a Schedule's: the current schedule's
+    budgets = property(lambda self: self.schedule.budgets)
 
     def __repr__(self):
         return f"Controller(threshold={self.threshold}, bins={list(self.bins)}, budgets={list(self.budgets)})"
