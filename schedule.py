@@ -421,9 +421,8 @@ def parse_args(argv=None):
         except OSError as error:
             p.error(f"--out {args.out!r}: {error}")
         try:   # the sampler's settings, with the smallest candidate as its budget
-            args.sparse = SparseConfig(args.policy, interval=args.interval, window=args.window, sink=args.sink,
-                                       page_size=args.page_size, dense_layers=args.dense_layers,
-                                       budget=args.candidates[0])
+            args.sparse = SparseConfig(args.policy, args.candidates[0], interval=args.interval, window=args.window,
+                                       sink=args.sink, page_size=args.page_size, dense_layers=args.dense_layers)
         except ValueError as error:
             p.error(f"{error} (the budget: the smallest of --candidates)")
     return args, p
@@ -473,8 +472,8 @@ def print_speedup(args, schedule):
     factor = args.context / max(end, 1)
     pages = {}
     if args.policy == "blocktopk":                                  # Sparrow's, where no flag is given
-        pages = dict(page_size=args.page_size or SparseConfig.page_size, dense_layers=SparseConfig.dense_layers
-                     if args.dense_layers is None else args.dense_layers)
+        pages = dict(page_size=args.page_size or SparseConfig.page_size,
+                     dense_layers=SparseConfig.dense_layers if args.dense_layers is None else args.dense_layers)
     rows = [(f"{args.speedup} as calibrated: {list(schedule.budgets)} from {list(bins)}", schedule)]
     if len(bins) > 1 and factor > 1:   # a constant budget has no length to stretch; shrunk, bins would merge
         rows.append((f"the same stretched x{factor:.0f} to {args.context} tokens", schedule.scaled(factor)))
