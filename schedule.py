@@ -31,7 +31,7 @@ from correction import acceptance, dense_logprobs  # alpha = sum_v min(p_a, p_b)
 from kvcache import DENSE, POLICIES, SparseConfig
 from models import DTYPES, autocast, load_pretrained, pick_device
 from policies import RESERVED_PAGES
-from sampler import generate
+from sampler import check_length, generate
 
 THRESHOLD = 0.86  # Sparrow: runs whose 5th-percentile acceptance stayed >= 0.86 trained stably
 HIGH = 4096       # the controller's largest budget, unless it starts above it
@@ -434,11 +434,12 @@ def print_calibration(args, p):
         device = pick_device(args.device)
         model, tok = load_pretrained(args.model, device=device)
         adapter = distill.LoRA.from_file(model, args.adapter) if args.adapter else None
+        examples = tasks.make_examples(args.warmup["task"], args.prompts, 0, *args.warmup["digits"])
+        prompts = [tasks.encode_prompt(tok, e["prompt"]) for e in examples]
+        check_length(max(map(len, prompts)), args.max_new_tokens, model.config)   # before the first candidate
     except ValueError as error:
         p.error(str(error))
     candidates, threshold = args.candidates, args.threshold
-    examples = tasks.make_examples(args.warmup["task"], args.prompts, 0, *args.warmup["digits"])
-    prompts = [tasks.encode_prompt(tok, e["prompt"]) for e in examples]
     with autocast(args.dtype, device):
         schedule, rows = calibrate(model, prompts, candidates, threshold, args.bin_size, args.sparse,
                                    args.max_new_tokens, eos_token_id=tok.eos_token_id,

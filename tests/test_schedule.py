@@ -361,6 +361,22 @@ def test_calibrate_command_line_takes_device_and_dtype_and_its_schedule_feeds_sp
     assert "wrote" in out and f"as calibrated: {list(written.budgets)} from {list(written.bins)}" in out
 
 
+def test_calibration_refuses_a_response_past_the_models_positions_before_sampling(tmp_path, capsys, monkeypatch):
+    # pick's prompts with 3-4 digits take at most 19 of the toy's 128 positions: 200 new tokens cannot fit
+    import json
+    from models import toy_model
+    from tasks import char_tokenizer
+    tok = char_tokenizer()
+    toy_model(tok).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4])))
+    monkeypatch.setattr(S, "calibrate", lambda *a, **k: pytest.fail("calibrated past the positions"))
+    with pytest.raises(SystemExit):
+        S.main(["--calibrate", "--model", str(tmp_path), "--max-new-tokens", "200", "--out", str(tmp_path / "s.json")])
+    assert re.search("max_new_tokens 200: the longest prompt \\(\\d+ tokens\\) plus the response must fit the "
+                     "model's 128 positions", capsys.readouterr().err)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--candidates", "6,x"], "--candidates must be comma-separated integers, got '6,x'"),
     (["--threshold", "1.5"], "--threshold must lie in \\[0, 1\\], got 1.5"),
