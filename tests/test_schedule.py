@@ -2,8 +2,10 @@
 
 Each test compares with an independent computation (numpy, a hand calculation, a brute-force sum),
 so it can fail."""
+import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -340,19 +342,21 @@ def test_schedule_files_round_trip_and_bad_files_are_named(tmp_path):
         Schedule.load(tmp_path / "keys.json")
 
 
-def test_calibrate_command_line_takes_device_and_dtype_and_its_schedule_feeds_speedup(tmp_path, capsys):
-    # as train.py: --device and --dtype (bfloat16 under autocast); a random toy model holds no budget, so every
-    # bin ends dense or at a candidate, and the schedule file reads back
-    import json
-
-    import schedule
+def toy_warm_up(folder):
+    """A random toy model saved as train.py saves its warm-up: weights, tokenizer, warmup.json (pick, 3-4 digits)."""
     from models import toy_model
     from tasks import char_tokenizer
     tok = char_tokenizer()
-    toy_model(tok).save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
-    (tmp_path / "m" / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4])))
-    schedule.main(["--calibrate", "--model", str(tmp_path / "m"), "--prompts", "4", "--candidates", "8,12",
+    toy_model(tok).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    (Path(folder) / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4])))
+
+
+def test_calibrate_command_line_takes_device_and_dtype_and_its_schedule_feeds_speedup(tmp_path, capsys):
+    # as train.py: --device and --dtype (bfloat16 under autocast); a random toy model holds no budget, so every
+    # bin ends dense or at a candidate, and the schedule file reads back
+    toy_warm_up(tmp_path / "m")
+    S.main(["--calibrate", "--model", str(tmp_path / "m"), "--prompts", "4", "--candidates", "8,12",
                    "--device", "cpu", "--dtype", "bfloat16", "--out", str(tmp_path / "s.json"),
                    "--speedup", str(tmp_path / "s.json")])          # the file it writes: the speedup of that schedule
     written = Schedule.load(tmp_path / "s.json")
@@ -363,13 +367,7 @@ def test_calibrate_command_line_takes_device_and_dtype_and_its_schedule_feeds_sp
 
 def test_calibration_refuses_a_response_past_the_models_positions_before_sampling(tmp_path, capsys, monkeypatch):
     # pick's prompts with 3-4 digits take at most 19 of the toy's 128 positions: 200 new tokens cannot fit
-    import json
-    from models import toy_model
-    from tasks import char_tokenizer
-    tok = char_tokenizer()
-    toy_model(tok).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4])))
+    toy_warm_up(tmp_path)
     monkeypatch.setattr(S, "calibrate", lambda *a, **k: pytest.fail("calibrated past the positions"))
     with pytest.raises(SystemExit):
         S.main(["--calibrate", "--model", str(tmp_path), "--max-new-tokens", "200", "--out", str(tmp_path / "s.json")])
@@ -394,7 +392,6 @@ def test_calibration_refuses_a_response_past_the_models_positions_before_samplin
 ])
 def test_the_command_line_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, argv, message):
     # the folder holds a warm-up's warmup.json and no weights: a check that came after loading would fail there
-    import json
     (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4])))
     with pytest.raises(SystemExit):
         S.main((["--calibrate"] if "--speedup" not in argv else []) + ["--model", str(tmp_path)] + argv)
@@ -404,7 +401,6 @@ def test_the_command_line_refuses_bad_settings_before_loading_a_model(tmp_path, 
 
 def test_calibration_refuses_a_checkpoint_of_a_real_model(tmp_path, capsys):
     # a --model run's args.json names the toy task too (the flag's default): its prompts are not the toy's
-    import json
     (tmp_path / "args.json").write_text(json.dumps(dict(task="pick", digits=[3, 6], model="smollm2-135m")))
     with pytest.raises(SystemExit):
         S.main(["--calibrate", "--model", str(tmp_path)])
@@ -450,7 +446,6 @@ def test_tail_by_bin_returns_float64_tails_computed_in_float64_and_long_counts()
 
 
 def test_an_out_under_a_file_is_refused_before_calibrating(tmp_path, capsys):
-    import json
     (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4])))   # no weights: no model loads
     (tmp_path / "afile").write_text("")
     for out in (tmp_path / "afile" / "s.json", tmp_path):                # under a file; a folder
