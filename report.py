@@ -104,24 +104,21 @@ def inference(args):
     device = pick_device(args.device)
     model, tokenizer = load_pretrained(args.model, args.gguf_file, args.cache_dir, device, DTYPES[args.dtype])
     adapter = distill.LoRA.from_file(model, args.adapter) if args.adapter else None
-    rows = []
-    for sparse in tqdm(configs, desc="configurations", dynamic_ncols=True):
-        rows.append((sparse, run_inference(model, tokenizer, examples, numeric_reward, sparse, args.max_new_tokens,
-                                           args.batch_size, adapter)))
-    dense = rows[0][1]
-    lines = [f"{len(examples)} questions of {args.data}, greedy, {args.max_new_tokens} new tokens, "
-             f"interval {args.interval}, window {args.window}, sink {args.sink}; peak KV summed over batches of "
-             f"{args.batch_size} (the prompt is kept whole at prefill, so its length sets a floor); alpha over the "
-             f"sampler's top-{ALPHA_TOPK} tokens, a lower bound whose ceiling (the top-{ALPHA_TOPK} mass) the dense row "
-             "shows", "",
-             "| rollout | budget | accuracy | peak KV (MiB) | vs dense | alpha mean | alpha p05 | tokens | time (s) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for sparse, r in rows:
-        budget = "-" if sparse.policy == "full" else sparse.budget
-        lines.append(f"| {'dense' if sparse.policy == 'full' else sparse.policy} | {budget} | {r['accuracy']:.2f} "
-                     f"| {r['peak_kv_bytes'] / 2**20:.1f} | {r['peak_kv_bytes'] / dense['peak_kv_bytes']:.0%} "
-                     f"| {r['alpha_mean']:.3f} | {r['alpha_p05']:.3f} | {r['tokens']} | {r['seconds']:.0f} |")
-    return "\n".join(lines)
+    results = [run_inference(model, tokenizer, examples, numeric_reward, sparse, args.max_new_tokens, args.batch_size,
+                             adapter) for sparse in tqdm(configs, desc="configurations", dynamic_ncols=True)]
+    header = ["rollout", "budget", "accuracy", "peak KV (MiB)", "vs dense", "alpha mean", "alpha p05", "tokens",
+              "time (s)"]
+    dense, rows = results[0], []                                      # configs[0] is the full cache
+    for sparse, r in zip(configs, results):
+        rollout = ["dense", "-"] if sparse.policy == "full" else [sparse.policy, sparse.budget]
+        rows.append(rollout + [f"{r['accuracy']:.2f}", f"{r['peak_kv_bytes'] / 2**20:.1f}",
+                               f"{r['peak_kv_bytes'] / dense['peak_kv_bytes']:.0%}", f"{r['alpha_mean']:.3f}",
+                               f"{r['alpha_p05']:.3f}", r["tokens"], f"{r['seconds']:.0f}"])
+    return (f"{len(examples)} questions of {args.data}, greedy, {args.max_new_tokens} new tokens, interval "
+            f"{args.interval}, window {args.window}, sink {args.sink}; peak KV summed over batches of "
+            f"{args.batch_size} (the prompt is kept whole at prefill, so its length sets a floor); alpha over the "
+            f"sampler's top-{ALPHA_TOPK} tokens, a lower bound whose ceiling (the top-{ALPHA_TOPK} mass) the dense "
+            "row shows\n\n" + markdown(header, rows))
 
 
 # ----------------------------------------------------------------------------- runs: comparing training runs
