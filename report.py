@@ -426,18 +426,17 @@ def keeps(args):
         raise ValueError(f"--example {args.example}: only {len(long)} held-out prompts are longer than the budget")
     example = long[args.example]
     role = ["prompt"] + ["needed" if c.isdigit() else "distractor" if c.islower() else "prompt" for c in example["prompt"]]
-    panels = []
+    share = lambda kept, r: kept[-1, :len(role)][torch.tensor([x == r for x in role])].mean().item()  # the last step
+    panels, rows = [], []
     for sparse in configs:
         kept, tokens = kept_fractions(model, tokenizer, example["prompt"], sparse, run["max_new_tokens"])
         answer = tokenizer.decode(tokens, skip_special_tokens=True)
         panels.append((sparse.policy, kept, answer))
-    lines = [f"Prompt {example['prompt']!r}, answer {example['answer']!r}; {settings['task']} warm-up, budget {budget}",
-             "", "| policy | its answer | needed tokens held at the last step | distractors held |", "|---|---|---|---|"]
-    for policy, kept, answer in panels:
-        share = lambda r: kept[-1, :len(role)][torch.tensor([x == r for x in role])].mean().item()
-        lines.append(f"| {policy} | {answer!r} | {share('needed'):.0%} | {share('distractor'):.0%} |")
+        rows.append([sparse.policy, repr(answer), f"{share(kept, 'needed'):.0%}", f"{share(kept, 'distractor'):.0%}"])
     draw_keeps(panels, role, example, budget, args.out)
-    return "\n".join(lines)
+    title = f"Prompt {example['prompt']!r}, answer {example['answer']!r}; {settings['task']} warm-up, budget {budget}"
+    header = ["policy", "its answer", "needed tokens held at the last step", "distractors held"]
+    return f"{title}\n\n{markdown(header, rows)}"
 
 
 def draw_keeps(panels, role, example, budget, path):
