@@ -172,29 +172,26 @@ def comparison_rows(groups, robust=None):
     """One row per variant of {variant: [(metrics, evals) per seed]}; the columns, mean over seeds:
 
     seeds              runs averaged
-    steps              the step of the last evaluation, the "after" columns' (mean over seeds; a run cut short
-                       by a time limit ends before its --steps)
+    steps              the step of the last evaluation, the "after" columns' (a run cut short by a time limit
+                       ends before its --steps)
     dense before RL    greedy accuracy on the held-out prompts with a full cache at step 0, mean ± std
     sparse before RL   the same through the run's training cache: what eviction costs the warm-started model
-    dense, sparse      the same after the last step, with a full cache and through the run's training cache
-                       (a dense run trains with a full cache, so its two columns agree)
-    dense gain         dense after - dense before, mean ± std over seeds
+    dense, sparse      the same after the last step (a dense run trains with a full cache: its two columns agree)
+    dense gain         dense after - dense before, mean ± std
     of first's gain    this variant's mean dense gain / the first variant's (Sparse-RL: ~97 % of dense GRPO's);
                        "-" unless the first's gain exceeds its std over seeds (a ratio to noise is noise)
     sparse @ B         the final model through the run's cache at budget B (`robust`: {variant: [[acc per B] per seed]})
     peak KV vs dense   mean over steps of the rollouts' peak KV bytes / the bytes of a full cache
     dropped tokens     response tokens the rejection dropped / response tokens, over the whole run
     vetoed             responses vetoed over the whole run
-    train time (s)     training seconds summed over the run's steps
-    s/step             training seconds per step (mean over steps), and its parts: sampling (the sparse rollouts,
-                       rollout_s), re-scoring (the dense pi_old pass and the correction, scoring_s) and update
-                       (forward, backward and AdamW, update_s)
+    train time (s)     training seconds (`seconds`) summed over the run's steps
+    s/step             the same per step (mean over steps), then by part: sampling (rollout_s), re-scoring
+                       (scoring_s: the dense pi_old pass and the correction) and update (update_s)
     """
-    rows = []
-    gain = lambda evals: [e[-1]["dense"] - e[0]["dense"] for e in evals]
-    base = gain([e for _, e in next(iter(groups.values()))])
-    first, std = mean_std(base)
+    gain = lambda evals: [e[-1]["dense"] - e[0]["dense"] for e in evals]       # one per seed
+    first, std = mean_std(gain([e for _, e in next(iter(groups.values()))]))
     first = first if first > std else 0
+    rows = []
     for variant, runs in groups.items():
         metrics, evals = [m for m, _ in runs], [e for _, e in runs]
         row = [variant, len(runs), f"{np.mean([e[-1]['step'] for e in evals]):g}",
@@ -202,12 +199,12 @@ def comparison_rows(groups, robust=None):
                pm([e[-1]["dense"] for e in evals]), pm([e[-1]["sparse"] for e in evals]), pm(gain(evals)),
                f"{np.mean(gain(evals)) / first:.0%}" if first else "-"]
         row += [pm(accs) for accs in zip(*robust[variant])] if robust else []
-        total = lambda key, ms: sum(m[key] for m in ms)
-        row += [f"{np.mean([np.mean([m['peak_kv_bytes'] / m['dense_kv_bytes'] for m in ms]) for ms in metrics]):.1%}",
+        total = lambda key, ms: sum(m[key] for m in ms)                           # over one run's steps
+        per_step = lambda f: np.mean([np.mean([f(m) for m in ms]) for ms in metrics])  # mean over steps, then seeds
+        row += [f"{per_step(lambda m: m['peak_kv_bytes'] / m['dense_kv_bytes']):.1%}",
                 f"{np.mean([total('dropped_tokens', ms) / max(total('tokens', ms), 1) for ms in metrics]):.1%}",
                 f"{np.mean([total('vetoed', ms) for ms in metrics]):.1f}",
                 f"{np.mean([sum(map(seconds, ms)) for ms in metrics]):.0f}"]
-        per_step = lambda f: np.mean([np.mean([f(m) for m in ms]) for ms in metrics])
         row += [f"{per_step(f):.2f}" for f in (seconds, lambda m: m["rollout_s"], lambda m: m["scoring_s"],
                                                 lambda m: m["update_s"])]
         rows.append(row)
