@@ -130,15 +130,13 @@ def read_run(folder):
         path = Path(folder) / name
         if not path.is_file():
             raise ValueError(f"{folder!r} is not a train.py run folder: it holds no {name}")
-        text = [line for line in path.read_text().splitlines() if line.strip()]
-        try:                                                           # a last line half written by a killed run
-            json.loads(text[-1]) if text else None                     # is dropped, as train.py --resume drops it
-        except json.JSONDecodeError:
-            text = text[:-1]
-        try:
-            lines = [json.loads(line) for line in text]
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path} is not JSON lines: {error}") from None
+        text, lines = [line for line in path.read_text().splitlines() if line.strip()], []
+        for number, line in enumerate(text, 1):
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError as error:      # a last line half written by a killed run is dropped,
+                if number < len(text):                 # as train.py --resume drops it
+                    raise ValueError(f"{path} is not JSON lines: {error}") from None
         if not lines:
             raise ValueError(f"{path} is empty")
         stepless = [i for i, line in enumerate(lines, 1) if not isinstance(line, dict) or "step" not in line]
