@@ -157,10 +157,6 @@ def mean_std(values):
     return values.mean(), values.std(ddof=1) if len(values) > 1 else 0.0
 
 
-def pm(values):
-    return "{:.3f} ± {:.3f}".format(*mean_std(values))
-
-
 def seconds(line):
     """Training seconds of one step: sampling, dense re-scoring, update (no warm-up, no evaluation)."""
     return line["rollout_s"] + line["scoring_s"] + line["update_s"]
@@ -186,6 +182,7 @@ def comparison_rows(groups, robust=None):
     s/step             the same per step (mean over steps), then by part: sampling (rollout_s), re-scoring
                        (scoring_s: the dense pi_old pass and the correction) and update (update_s)
     """
+    pm = lambda values: "{:.3f} ± {:.3f}".format(*mean_std(values))
     gain = lambda evals: [e[-1]["dense"] - e[0]["dense"] for e in evals]       # one per seed
     first, std = mean_std(gain([e for _, e in next(iter(groups.values()))]))
     first = first if first > std else 0
