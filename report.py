@@ -238,17 +238,16 @@ def reach_rows(groups):
     the baseline never evaluated after step 0."""
     curves = {variant: mean_curve([e for _, e in runs], "dense") for variant, runs in groups.items()}
     baseline = next(iter(curves.values()))
-    if not any(s > 0 for s, _ in baseline):
+    best = max((a for s, a in baseline if s > 0), default=None)
+    if best is None:
         return None
-    best = max(a for s, a in baseline if s > 0)
     reached = {}
     for variant, runs in groups.items():
         step = next((s for s, a in curves[variant] if s > 0 and a >= best - 1e-9), None)
         reached[variant] = (step, None if step is None else
                             float(np.mean([sum(seconds(m) for m in ms if m["step"] <= step) for ms, _ in runs])))
     base_time = reached[next(iter(groups))][1]
-    rows = [(v, step, t, base_time / t if t else None) for v, (step, t) in reached.items()]
-    return best, baseline[0][1], rows
+    return best, baseline[0][1], [(v, step, t, base_time / t if t else None) for v, (step, t) in reached.items()]
 
 
 def markdown(header, rows):
@@ -259,10 +258,10 @@ def markdown(header, rows):
 
 def report_text(groups, budgets=(), robust=None):
     """The comparison, the tail per length bin and the PODS table, each with its meaning in one line above it."""
+    base = next(iter(groups))                                         # the first variant, the baseline
     header = ["variant", "seeds", "steps", "dense before RL", "sparse before RL", "dense", "sparse", "dense gain",
-              f"of {next(iter(groups))}'s gain", *[f"sparse @ {b}" for b in budgets],
-              "peak KV vs dense", "dropped tokens", "vetoed", "train time (s)", "s/step", "sampling", "re-scoring",
-              "update"]
+              f"of {base}'s gain", *[f"sparse @ {b}" for b in budgets], "peak KV vs dense", "dropped tokens",
+              "vetoed", "train time (s)", "s/step", "sampling", "re-scoring", "update"]
     text = ["Greedy accuracy on each run's held-out prompts, mean ± std over seeds: with a full cache (dense) and "
             "through the run's training cache (sparse; full for a dense run), before and after RL; the dense gain "
             "(after - before) and its share of the first variant's"
@@ -279,11 +278,9 @@ def report_text(groups, budgets=(), robust=None):
     reach = reach_rows(groups)
     if reach:
         best, start, rows = reach
-        base = next(iter(groups))
-        text += ["", f"Time to the baseline's best (PODS's measure): the first evaluation after step 0 at which a "
-                 "variant's dense accuracy (mean over seeds) "
-                 f"reaches {base}'s best, {best:.3f} (step 0: {start:.3f}), with the training seconds it took "
-                 "(mean over seeds).", "",
+        text += ["", "Time to the baseline's best (PODS's measure): the first evaluation after step 0 at which a "
+                 f"variant's dense accuracy (mean over seeds) reaches {base}'s best, {best:.3f} (step 0: {start:.3f}), "
+                 "with the training seconds it took (mean over seeds).", "",
                  markdown(["variant", "first step", "train time (s)", f"speed-up vs {base}"],
                           [[v, "never", "-", "-"] if step is None else [v, step, f"{t:.0f}", f"{x:.2f}x" if x else "-"]
                            for v, step, t, x in rows])]
