@@ -451,7 +451,6 @@ def draw_keeps(panels, role, example, budget, path):
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.suptitle(f"{example['prompt']} -> {example['answer']} (budget {budget})", fontsize=10)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
