@@ -3,28 +3,24 @@
     python report.py inference --model smollm2-135m --data ../shared/data/gsm8k/test.jsonl --limit 100 \\
         --policies snapkv rkv h2o streaming --budgets 64 128 --interval 32 > results/smollm2_gsm8k.md
 
-`inference`: what eviction costs one model at inference time. The first --limit questions of a JSONL
-file are answered greedily (256 new tokens by default) with a full cache, then under each
-(policy, budget), one `evaluate.run_inference` each; a row gives the accuracy (`tasks.numeric_reward`),
-the peak KV bytes against the dense run's, and the acceptance alpha = sum_v min(p_dense, p_sparse) over
-the sampler's top-k tokens (section 4: its mean, and its 5th percentile over all response tokens, the
-tail statistic that stayed >= 0.86 in stable training runs). The dense side is one teacher-forced pass
-over each greedy response (`correction.dense_logprobs`), exactly the pi_old of a training step.
-Progress goes to stderr, the table to stdout.
+`inference`: what eviction costs one model at inference time. The first --limit questions of a JSONL file are
+answered greedily with a full cache, then under each (policy, budget); a row gives the accuracy, the peak KV
+against the dense run's, and the acceptance alpha = sum_v min(p_dense, p_sparse) over the sampler's top-k tokens:
+its mean, and its 5th percentile over all response tokens, the tail that stayed >= 0.86 in stable training runs
+(section 4). The dense side is one teacher-forced pass over each greedy response (`correction.dense_logprobs`),
+exactly the pi_old of a training step. Progress goes to stderr, the table to stdout.
 
     python report.py runs results/runs/{dense,naive,tis,sparse-rl,schedule}-s? --robust-budgets 12 10 \\
         --out results/corrections                                   # as reproduce.sh does
 
-`runs`: what training did, one row per variant (docs/method.md sections 4, 5, 7). Each RUN_DIR is a
-`python train.py --out RUN_DIR` folder named <variant>-s<seed>; the seeds of a variant are averaged,
-variants keep the order given. Three tables, each explained in one line above it, printed and written
-to PREFIX.md: the comparison (columns in `comparison_rows`), the acceptance tail per length bin
-(`tail_by_variant`) and when each variant first reaches the first variant's best dense accuracy
-(`reach_rows`, PODS's measure). With matplotlib installed, PREFIX_reward.png, PREFIX_accuracy.png and
-PREFIX_tail.png too (without it, a one-line warning that names them). --robust-budgets B ...: each run's
-final checkpoint answers its own held-out prompts greedily through the run's cache at budget B (SnapKV
-for a dense-trained run), Sparse-RL's claim that a model trained on sparse rollouts holds up better under
-sparse inference. The one-GPU SmolLM2 runs (`bash gpu_smollm2.sh report`) are read the same way.
+`runs`: what training did, one row per variant, in the order given. Each RUN_DIR is a `python train.py --out
+RUN_DIR` folder named <variant>-s<seed>; a variant's seeds are averaged. PREFIX.md holds three tables
+(`report_text`); with matplotlib, PREFIX_reward.png, PREFIX_accuracy.png and PREFIX_tail.png too (`plot`).
+--robust-budgets B ...: each run's final model answers its own held-out prompts greedily through the run's cache
+at budget B (SnapKV for a dense run): Sparse-RL's claim that a model trained on sparse rollouts holds up better
+under sparse inference. The one-GPU SmolLM2 runs (`bash gpu_smollm2.sh report`) are read the same way.
+
+`keeps`: which positions of one toy rollout each policy keeps, step by step (results/keeps.png and keeps.md).
 """
 import argparse
 import json
@@ -163,24 +159,13 @@ def seconds(line):
 
 
 def comparison_rows(groups, robust=None):
-    """One row per variant of {variant: [(metrics, evals) per seed]}; the columns, mean over seeds:
+    """One row per variant of {variant: [(metrics, evals) per seed]}: the cells under `report_text`'s header, whose
+    line above the table says what each column holds; accuracies as mean ± std over seeds, the rest as means.
+    `robust`: {variant: [[accuracy at each budget B] per seed]}. Where that line is brief:
 
-    seeds              runs averaged
-    steps              the step of the last evaluation, the "after" columns' (a run cut short by a time limit
-                       ends before its --steps)
-    dense before RL    greedy accuracy on the held-out prompts with a full cache at step 0, mean ± std
-    sparse before RL   the same through the run's training cache: what eviction costs the warm-started model
-    dense, sparse      the same after the last step (a dense run trains with a full cache: its two columns agree)
-    dense gain         dense after - dense before, mean ± std
-    of first's gain    this variant's mean dense gain / the first variant's (Sparse-RL: ~97 % of dense GRPO's);
-                       "-" unless the first's gain exceeds its std over seeds (a ratio to noise is noise)
-    sparse @ B         the final model through the run's cache at budget B (`robust`: {variant: [[acc per B] per seed]})
-    peak KV vs dense   mean over steps of the rollouts' peak KV bytes / the bytes of a full cache
-    dropped tokens     response tokens the rejection dropped / response tokens, over the whole run
-    vetoed             responses vetoed over the whole run
-    train time (s)     training seconds (`seconds`) summed over the run's steps
-    s/step             the same per step (mean over steps), then by part: sampling (rollout_s), re-scoring
-                       (scoring_s: the dense pi_old pass and the correction) and update (update_s)
+    steps              the last evaluation's step (a run cut short by a time limit ends before its --steps)
+    sparse before RL   what eviction costs the warm-started model
+    of first's gain    "-" unless the first variant's gain exceeds its std over seeds (a ratio to noise is noise)
     """
     pm = lambda values: "{:.3f} ± {:.3f}".format(*mean_std(values))
     gain = lambda evals: [e[-1]["dense"] - e[0]["dense"] for e in evals]       # one per seed
@@ -229,13 +214,11 @@ def mean_curve(logs, key):
 
 
 def reach_rows(groups):
-    """When each variant first reaches the baseline's best dense accuracy (PODS, docs/method.md section 7).
-
-    The baseline is the first variant; its best is the highest mean-over-seeds dense accuracy at an evaluation
-    after step 0. For each variant: the first evaluation after step 0 whose mean dense accuracy is >= that best,
-    the training seconds up to that step (mean over seeds) and the baseline's seconds / these.
-    -> (best, accuracy at step 0, [(variant, step or None, seconds or None, speed-up or None)]), or None when
-    the baseline never evaluated after step 0."""
+    """When each variant first reaches the baseline's (the first variant's) best dense accuracy: PODS's measure
+    (docs/method.md section 7). Accuracies are means over seeds, and only evaluations after step 0 count, for
+    the best and for reaching it. -> (best, accuracy at step 0, [(variant, first step, training seconds to it
+    (mean over seeds), the baseline's seconds / these)], None where never), or None when the baseline never
+    evaluated after step 0."""
     curves = {variant: mean_curve([e for _, e in runs], "dense") for variant, runs in groups.items()}
     baseline = next(iter(curves.values()))
     best = max((a for s, a in baseline if s > 0), default=None)
