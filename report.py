@@ -4,21 +4,19 @@
         --policies snapkv rkv h2o streaming --budgets 64 128 --interval 32 > results/smollm2_gsm8k.md
 
 `inference`: what eviction costs one model at inference time. The first --limit questions of a JSONL file are
-answered greedily with a full cache, then under each (policy, budget); a row gives the accuracy, the peak KV
-against the dense run's, and the acceptance alpha = sum_v min(p_dense, p_sparse) over the sampler's top-k tokens:
-its mean, and its 5th percentile over all response tokens, the tail that stayed >= 0.86 in stable training runs
-(section 4). The dense side is one teacher-forced pass over each greedy response (`correction.dense_logprobs`),
-exactly the pi_old of a training step. Progress goes to stderr, the table to stdout.
+answered greedily with a full cache, then under each (policy, budget): accuracy, peak KV and the acceptance alpha =
+sum_v min(p_dense, p_sparse) over the sampler's top-k tokens, its mean and its 5th percentile over all response
+tokens (the tail that stayed >= 0.86 in stable training runs, section 4). Its dense side is one teacher-forced pass
+over each response (`correction.dense_logprobs`), the pi_old of a training step. Progress goes to stderr.
 
     python report.py runs results/runs/{dense,naive,tis,sparse-rl,schedule}-s? --robust-budgets 12 10 \\
         --out results/corrections                                   # as reproduce.sh does
 
-`runs`: what training did, one row per variant, in the order given. Each RUN_DIR is a `python train.py --out
-RUN_DIR` folder named <variant>-s<seed>; a variant's seeds are averaged. PREFIX.md holds three tables
-(`report_text`); with matplotlib, PREFIX_reward.png, PREFIX_accuracy.png and PREFIX_tail.png too (`plot`).
---robust-budgets B ...: each run's final model answers its own held-out prompts greedily through the run's cache
-at budget B (SnapKV for a dense run): Sparse-RL's claim that a model trained on sparse rollouts holds up better
-under sparse inference. The one-GPU SmolLM2 runs (`bash gpu_smollm2.sh report`) are read the same way.
+`runs`: what training did. Each RUN_DIR is a `python train.py --out RUN_DIR` folder named <variant>-s<seed>: one
+row per variant, in the order given, its seeds averaged. PREFIX.md holds three tables (`report_text`) and, with
+matplotlib, three plots (`plot`). --robust-budgets B ...: each run's final model answers its own held-out prompts
+greedily through the run's cache at budget B (SnapKV for a dense run): Sparse-RL's claim that a model trained on
+sparse rollouts holds up better under sparse inference. gpu_smollm2.sh reads its SmolLM2 runs the same way.
 
 `keeps`: which positions of one toy rollout each policy keeps, step by step (results/keeps.png and keeps.md).
 """
