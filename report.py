@@ -87,9 +87,8 @@ def parse_args(argv=None):
 
 def inference(args):
     """Check everything, load the model, run dense and each (policy, budget); -> the markdown table."""
-    for name in ("limit", "max_new_tokens", "interval", "batch_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if bad := [name for name in ("limit", "max_new_tokens", "interval", "batch_size") if getattr(args, name) < 1]:
+        raise ValueError(f"--{bad[0].replace('_', '-')} must be >= 1, got {getattr(args, bad[0])}")
     configs = [SparseConfig("full")] + [SparseConfig(policy, budget, args.interval, args.window, args.sink)
                                         for budget in args.budgets for policy in args.policies]  # raise early
     examples = load_jsonl(args.data)[: args.limit]
@@ -133,8 +132,7 @@ def read_run(folder):
                     raise ValueError(f"{path} is not JSON lines: {error}") from None
         if not lines:
             raise ValueError(f"{path} is empty")
-        stepless = [i for i, line in enumerate(lines, 1) if not isinstance(line, dict) or "step" not in line]
-        if stepless:
+        if stepless := [i for i, line in enumerate(lines, 1) if not isinstance(line, dict) or "step" not in line]:
             raise ValueError(f"{path} line {stepless[0]} has no \"step\": not a train.py log")
         logs.append(sorted({line["step"]: line for line in lines}.values(), key=lambda line: line["step"]))
     return tuple(logs)
@@ -256,8 +254,7 @@ def report_text(groups, budgets=(), robust=None):
              f"over each bin's response tokens, mean over steps and seeds (Sparrow: stable while >= {THRESHOLD}).", "",
              markdown(["variant"] + [f"{a}-{b}" for a, b in bins],
                       [[v] + [f"{t[b]:.3f}" if b in t else "-" for b in bins] for v, t in tails.items()])]
-    reach = reach_rows(groups)
-    if reach:
+    if reach := reach_rows(groups):
         best, start, rows = reach
         text += ["", "Time to the baseline's best (PODS's measure): the first evaluation after step 0 at which a "
                  f"variant's dense accuracy (mean over seeds) reaches {base}'s best, {best:.3f} (step 0: {start:.3f}), "
@@ -349,9 +346,8 @@ def runs(args):
         raise ValueError("no run folders given")
     if len({os.path.abspath(f) for f in args.folders}) < len(args.folders):   # it would count as two seeds
         raise ValueError(f"a run folder is given twice: {args.folders}")
-    for b in args.robust_budgets:
-        if b < 1:
-            raise ValueError(f"--robust-budgets must be >= 1, got {b}")
+    if bad := [b for b in args.robust_budgets if b < 1]:
+        raise ValueError(f"--robust-budgets must be >= 1, got {bad[0]}")
     device = pick_device(args.device)
     logs = [read_run(folder) for folder in args.folders]
     plans = [robust_plan(folder, evals[-1]["step"], args.robust_budgets)
