@@ -210,11 +210,10 @@ def mean_curve(logs, key):
 
 
 def reach_rows(groups):
-    """When each variant first reaches the baseline's (the first variant's) best dense accuracy: PODS's measure
-    (docs/method.md section 7). Accuracies are means over seeds, and only evaluations after step 0 count, for
-    the best and for reaching it. -> (best, accuracy at step 0, [(variant, first step, training seconds to it
-    (mean over seeds), the baseline's seconds / these)], None where never), or None when the baseline never
-    evaluated after step 0."""
+    """When each variant first reaches the baseline's (the first variant's) best dense accuracy, PODS's measure
+    (docs/method.md section 7); accuracies are means over seeds, and only evaluations after step 0 count.
+    -> (best, accuracy at step 0, [(variant, first step, training seconds to it (mean over seeds), the baseline's
+    seconds / these)], None where never), or None when the baseline never evaluated after step 0."""
     curves = {variant: mean_curve([e for _, e in runs], "dense") for variant, runs in groups.items()}
     baseline = next(iter(curves.values()))
     best = max((a for s, a in baseline if s > 0), default=None)
@@ -286,8 +285,7 @@ def running_mean(ys, k=10):
 
 def plot(groups, prefix):
     """PREFIX_reward.png, PREFIX_accuracy.png, PREFIX_tail.png, one line per variant; without matplotlib, a warning."""
-    names = [f"{prefix}_{name}.png" for name in ("reward", "accuracy", "tail")]
-    if (plt := pyplot(names)) is None:
+    if (plt := pyplot([f"{prefix}_{name}.png" for name in ("reward", "accuracy", "tail")])) is None:
         return
     figures = [("reward", "step", "training reward (running mean of 10)",
                 {v: mean_curve([m for m, _ in runs], "reward") for v, runs in groups.items()}),
