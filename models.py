@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -150,7 +151,7 @@ def pretrained_folder(model, gguf_file=None, cache_dir=CACHE_DIR):
         missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
         if missing:
             raise ValueError(f"a GGUF file needs {' and '.join(missing)}: pip install -r requirements-extra.txt")
-        print(f"de-quantising {folder / name} once into {cached}")
+        print(f"de-quantising {folder / name} once into {cached}", file=sys.stderr)   # stdout: a command's table
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
         # transformers refuses to save a model loaded from GGUF; its weights are plain fp32 by now, so a

@@ -81,7 +81,7 @@ def parse_args(argv=None):
                    choices=[p for p in POLICIES if p not in ("full", "blocktopk")])
     g.add_argument("--budget", type=int, default=None, help="none: train.py's budget for the task")
     g.add_argument("--example", type=int, default=0, help="which held-out prompt longer than budget + interval")
-    g.add_argument("--out", default="results/keeps.png", help="the PNG (needs matplotlib; without it, a warning)")
+    g.add_argument("--out", default="out/keeps.png", help="the PNG (needs matplotlib; without it, a warning)")
     return p.parse_args(argv)
 
 

@@ -12,7 +12,7 @@ What is notable here:
   per-bin budgets nudged after every rollout batch from the acceptance the trainer already measures: no extra pass.
 - `cost` / `speedup`: the per-step cost model of section 6 (after Kinetics) for any HF config.
 
-    python train.py --steps 0 && python schedule.py --calibrate       # the toy warm-up train.py makes in out/warmup
+    python train.py --steps 0 && python schedule.py --calibrate   # on out/warmup (train.py's); writes out/schedule.json
     python schedule.py --speedup results/schedule.json --context 32768     # Qwen3-1.7B/4B/8B
 """
 import argparse
@@ -369,10 +369,13 @@ def parse_args(argv=None):
                    help="the sampler's policy (full never evicts: nothing to calibrate)")
     g.add_argument("--candidates", default="6,8,10,12,14,16,20,24,28,32,40", help="budgets to try, comma-separated")
     g.add_argument("--threshold", type=float, default=THRESHOLD, help="tail acceptance to hold")
-    for name in ("bin_size", "interval", "window", "sink", "max_new_tokens", "page_size", "dense_layers"):
-        g.add_argument("--" + name.replace("_", "-"), type=int, help="(none: as train.py for the task; "
-                       "--speedup: Sparrow's blocktopk pages of 16, 2 dense layers)")
-    g.add_argument("--out", default="results/schedule.json", help="where the schedule is written")
+    for name, what in [("bin_size", "tokens per length bin"), ("interval", "decode steps between compressions"),
+                       ("window", "newest tokens always kept"), ("sink", "first tokens always kept"),
+                       ("max_new_tokens", "response length limit"), ("page_size", "blocktopk: tokens per page"),
+                       ("dense_layers", "blocktopk: first layers that attend to everything")]:
+        sparrow = {"page_size": "; --speedup: Sparrow's 16", "dense_layers": "; --speedup: Sparrow's 2"}.get(name, "")
+        g.add_argument("--" + name.replace("_", "-"), type=int, help=f"{what} (none: train.py's for the task{sparrow})")
+    g.add_argument("--out", default="out/schedule.json", help="where the schedule is written")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
     g.add_argument("--dtype", default="float32", choices=list(DTYPES), help="precision of the forward passes, as "
                    "train.py's (bfloat16: under autocast)")
