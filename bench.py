@@ -152,12 +152,17 @@ def eviction_clock():
             setattr(owner, name, fn)
 
 
+def hf_generate(model, ids, new):
+    """Hugging Face greedy `generate` of exactly `new` tokens; its output holds the cache (CACHE_ARG)."""
+    with torch.inference_mode():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                              min_new_tokens=new, pad_token_id=0, return_dict_in_generate=True)
+
+
 def run_hf(model, ids, new):
-    """Hugging Face greedy `generate` of exactly `new` tokens -> dict of tokens, seconds, KV bytes."""
-    with torch.inference_mode(), run_clocks(model) as (stamps, others):
-        seconds, out = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                                    max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
-                                                    return_dict_in_generate=True), model.device)
+    """`hf_generate` on the run's clocks -> dict of tokens, seconds, KV bytes."""
+    with run_clocks(model) as (stamps, others):
+        seconds, out = timed(lambda: hf_generate(model, ids, new), model.device)
     kv = getattr(out, kvcache.CACHE_ARG)   # a dynamic cache only grows: its final size is its peak
     kv_bytes = sum(t.numel() * t.element_size() for layer in kv.layers for t in (layer.keys, layer.values))
     return dict(tokens=out.sequences[:, ids.shape[1]:], seconds=seconds, prefill=stamps[1] - stamps[0],

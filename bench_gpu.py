@@ -31,7 +31,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import bench
-from bench import EVICTION, HF, LONG_POLICY, kv_formula, log, rate, timed
+from bench import EVICTION, HF, LONG_POLICY, hf_generate, kv_formula, log, rate, timed
 from correction import ALPHA_TOPK, dense_logprobs
 from kvcache import CACHE_ARG, KVCache, SparseConfig
 from policies import RESERVED_PAGES
@@ -150,9 +150,7 @@ def window_run(model, s, sampler, prompt_len, steps, budget=None, batch=None, ex
     reset_peak(device)
     with forward_calls(model, sampler, steps - s["window"], lambda: start.append(clock(device))):
         if sampler == HF:
-            with torch.inference_mode():
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=steps,
-                                     min_new_tokens=steps, pad_token_id=0, return_dict_in_generate=True)
+            out = hf_generate(model, ids, steps)
             tokens, kv_tokens = out.sequences[:, prompt_len:], getattr(out, CACHE_ARG).get_seq_length()
         else:
             sparse = SparseConfig(sampler, budget=budget or s["budget"], interval=s["interval"])
