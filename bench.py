@@ -82,6 +82,11 @@ def build_model(s):
     return model
 
 
+def random_ids(s, batch, length, device="cpu", seed=1):
+    """Random prompt tokens [batch, length] (ids from 1: 0 is the pad id)."""
+    return torch.randint(1, s["vocab"], (batch, length), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
 def timed(fn, device="cpu"):
     """(seconds that fn() took on `device`, what it returned), on the synchronised `sampler.clock`."""
     start = clock(device)
@@ -93,6 +98,13 @@ def rate(work, fn, device="cpu", repeats=5):
     """`work` per second of fn(): the median of `repeats` synchronised timings after one warm-up call."""
     fn()
     return work / statistics.median(timed(fn, device)[0] for _ in range(repeats))
+
+
+def copy_bandwidth(values, device="cpu", repeats=5):
+    """Bytes per second of copying `values` fp32 numbers to a second buffer on `device`, read + write counted."""
+    src = torch.ones(values, device=device)
+    dst = torch.empty_like(src)
+    return rate(2 * src.nbytes, lambda: dst.copy_(src), device, repeats)
 
 
 def cpu_jiffies():
@@ -279,8 +291,7 @@ def limit(s, dense, n=None, repeats=5):
     Bytes: every step reads all linear weights once and the whole KV cache once.
     """
     n = n or s["mm"]
-    a, b, big = torch.randn(n, n), torch.randn(n, n), torch.randn(32 * n * n)
-    out = torch.empty_like(big)
+    a, b = torch.randn(n, n), torch.randn(n, n)
     L, H, D, B = s["layers"], s["heads"], s["hidden"] // s["heads"], s["batch"]
     linear = L * (2 * s["hidden"] ** 2 + 2 * s["hidden"] * s["kv_heads"] * D + 3 * s["hidden"] * s["ffn"])
     linear += s["hidden"] * s["vocab"]
@@ -288,7 +299,7 @@ def limit(s, dense, n=None, repeats=5):
     flops = B * (2 * linear * fed + 4 * L * H * D * fed * (fed + 1) / 2)
     traffic = s["new"] * 4 * linear + sum(kv_formula(s, c) for c in range(s["prompt"], fed + 1))
     return dict(mm_flops=rate(2 * n ** 3, lambda: torch.mm(a, b), repeats=repeats),
-                copy_bytes_per_s=rate(2 * big.numel() * 4, lambda: out.copy_(big), repeats=repeats),  # read, write
+                copy_bytes_per_s=copy_bandwidth(32 * n * n, repeats=repeats),
                 decode_flops=flops / dense["seconds"], flops_per_token=2 * linear + 4 * L * H * D * (fed + 1) / 2,
                 decode_bytes_per_s=traffic / dense["seconds"])
 
@@ -441,7 +452,7 @@ def main(argv=None):
         model = build_model(s)
     except ValueError as error:                                     # a --model that is not there
         parser.error(str(error))
-    ids = torch.randint(1, s["vocab"], (s["batch"], s["prompt"]), generator=torch.Generator().manual_seed(1))
+    ids = random_ids(s, s["batch"], s["prompt"])
     results, long = throughput(model, ids, s, s["repeats"])
     scale = scaling(long, s)
     log("overheads: dense re-scoring, correction, one training step")

@@ -31,7 +31,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import bench
-from bench import EVICTION, HF, LONG_POLICY, hf_generate, kv_formula, log, rate, timed
+from bench import EVICTION, HF, LONG_POLICY, copy_bandwidth, hf_generate, kv_formula, log, random_ids, timed
 from correction import ALPHA_TOPK, dense_logprobs
 from kvcache import CACHE_ARG, KVCache, SparseConfig
 from policies import RESERVED_PAGES
@@ -84,13 +84,6 @@ def weight_bytes(model):
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def copy_bandwidth(device, mib):
-    """Bytes per second of a device-to-device copy of `mib` MiB, read + write counted (synchronised, median of 5)."""
-    src = torch.ones(mib * 2**20 // 4, device=device)
-    dst = torch.empty_like(src)
-    return rate(2 * src.nbytes, lambda: dst.copy_(src), device)
-
-
 def reset_peak(device):
     """Forget the allocator's peak (CUDA only), after returning what the last run left cached."""
     if device.type == "cuda":
@@ -129,11 +122,6 @@ def forward_calls(model, sampler, at, action):
         KVCache.start_step = start_step
         if handle:
             handle.remove()
-
-
-def random_ids(s, batch, length, device, seed=1):
-    """Random prompt tokens [batch, length] (ids from 1: 0 is the pad id)."""
-    return torch.randint(1, s["vocab"], (batch, length), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 # ----------------------------------------------------------------------------- one timed window
@@ -446,7 +434,7 @@ def main(args):
     machine = f"{bench.cpu_name()}, CUDA {torch.version.cuda}" if device.type == "cuda" else "CPU"
     machine += f", torch {torch.__version__}"
     log(f"measuring copy bandwidth on {device}")
-    record["bandwidth"] = bandwidth = copy_bandwidth(device, s["copy_mib"])
+    record["bandwidth"] = bandwidth = copy_bandwidth(s["copy_mib"] * 2**20 // 4, device)
     model = qwen3_model(s, device)
     record["weight_bytes"] = weights = weight_bytes(model)
     report.write(f"Machine: {machine}. Model: random Qwen3, {s['layers']} layers, {s['hidden']} wide, {s['heads']} heads"
