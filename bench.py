@@ -306,31 +306,42 @@ def limit(s, dense, n=None, repeats=5):
 
 # ----------------------------------------------------------------------------- the report
 
+def ratio(a, b):
+    """a / b as the tables print it ("1.25x"), or "-" where either is missing (bench_gpu.py: a skipped row)."""
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def pct(share):
+    """A share as the tables print it: "12.5 %"."""
+    return f"{100 * share:.1f} %"
+
+
 def report(s, results, long, scale, over, lim, wall, machine):
     """Build the printed tables and the JSON record from the measurements."""
     B, new, dense = s["batch"], s["new"], results["full"]
     speed = {name: B * new / r["seconds"] for name, r in results.items()}
     long_speed = {name: B * s["long_new"] / r["seconds"] for name, r in long.items()}
-    pct = lambda x: f"{100 * x:.1f} %"
     record = dict(settings=dict(s), machine=machine, throughput={}, scaling=scale, overheads=over, limit=lim,
                   wall_seconds=wall)
     rows, memory, record["long"] = [], [], {}
     for name, r in results.items():
         label, formula = name if name == HF else f"ours {name}", kv_formula(s, r["peak_kv_tokens"])
-        same = None if name == HF else bool(torch.equal(r["tokens"], results[HF]["tokens"]))
-        rows.append([label, f"{speed[name]:.1f}", f"{speed[name] / speed[HF]:.2f}x", f"{speed[name] / speed['full']:.2f}x",
-                     f"{r['peak_kv_bytes'] / dense['peak_kv_bytes']:.3f}", pct(r["evict_share"]) if name in SPARSE else "-",
-                     "-" if name == HF else f"{(r['tokens'] == results[HF]['tokens']).float().mean().item():.3f}"])
+        kv, hf = f"{r['peak_kv_bytes'] / dense['peak_kv_bytes']:.3f}", results[HF]["tokens"]
+        rows.append([label, f"{speed[name]:.1f}", ratio(speed[name], speed[HF]), ratio(speed[name], speed["full"]), kv,
+                     pct(r["evict_share"]) if name in SPARSE else "-",
+                     "-" if name == HF else f"{(r['tokens'] == hf).float().mean().item():.3f}"])
         memory.append([label, r["peak_kv_tokens"], f"{r['peak_kv_bytes'] / 2**20:.2f}", f"{formula / 2**20:.2f}",
-                       "yes" if formula == r["peak_kv_bytes"] else "NO", f"{r['peak_kv_bytes'] / dense['peak_kv_bytes']:.3f}"])
+                       "yes" if formula == r["peak_kv_bytes"] else "NO", kv])
         record["throughput"][name] = dict(
             tokens_per_s=speed[name], vs_hf=speed[name] / speed[HF], vs_dense=speed[name] / speed["full"],
             seconds=r["all_seconds"], peak_kv_tokens=r["peak_kv_tokens"], peak_kv_bytes=r["peak_kv_bytes"],
-            kv_formula_bytes=formula, evict_share=r.get("evict_share"), others_load=r["all_others"], same_tokens_as_hf=same)
+            kv_formula_bytes=formula, evict_share=r.get("evict_share"), others_load=r["all_others"],
+            same_tokens_as_hf=None if name == HF else bool(torch.equal(r["tokens"], hf)))
     for name, r in long.items():
         kv = r["peak_kv_bytes"] / long["full"]["peak_kv_bytes"]
         rows.append([f"ours {name}, {s['long_new']} new", f"{long_speed[name]:.1f}", "-",
-                     f"{long_speed[name] / long_speed['full']:.2f}x", f"{kv:.3f}", pct(r["evict_share"]) if name != "full" else "-", "-"])
+                     ratio(long_speed[name], long_speed["full"]), f"{kv:.3f}",
+                     pct(r["evict_share"]) if name != "full" else "-", "-"])
         record["long"][name] = dict(tokens_per_s=long_speed[name], vs_dense=long_speed[name] / long_speed["full"],
                                     seconds=r["all_seconds"], peak_kv_bytes=r["peak_kv_bytes"], others_load=r["all_others"])
     # Runs during which other processes kept a tenth of a core or more busy: their times are suspect.
@@ -338,8 +349,9 @@ def report(s, results, long, scale, over, lim, wall, machine):
                                             for name, r in group.items() for i, load in enumerate(r["all_others"])
                                             if load is not None and load >= 0.1]
     step = over["train_step_seconds"]
+    correction = f"{100 * over['correction_seconds'] / step:.4f} %"   # of one training step
     over_rows = [["rejection + weights + down-sampling", f"{1e3 * over['correction_seconds']:.3f} ms",
-                  f"one training step {step:.2f} s", f"{100 * over['correction_seconds'] / step:.4f} %"],
+                  f"one training step {step:.2f} s", correction],
                  ["dense re-scoring (pi_old) of the batch", f"{over['rescore_seconds']:.2f} s",
                   f"the {LONG_POLICY} rollout, the dense rollout",
                   f"{over['rescore_vs_rollout']:.2f}x, {over['rescore_vs_dense_rollout']:.2f}x"]]
@@ -355,16 +367,17 @@ def report(s, results, long, scale, over, lim, wall, machine):
                  f"{lim['decode_bytes_per_s'] / 1e9:.1f} G", pct(lim["decode_bytes_per_s"] / lim["copy_bytes_per_s"])]]
     worst, chooser = min(EVICTION, key=speed.get), max(EVICTION, key=lambda n: results[n]["evict_share"])
     kv_tokens = max(results[n]["peak_kv_tokens"] for n in EVICTION)
-    targets = [["dense >= 1.0x HF generate, same tokens", f"{speed['full'] / speed[HF]:.2f}x, tokens equal: "
+    targets = [["dense >= 1.0x HF generate, same tokens", f"{ratio(speed['full'], speed[HF])}, tokens equal: "
                 f"{record['throughput']['full']['same_tokens_as_hf']}"],
-               [f"eviction >= 1.5x dense at {s['prompt']}+{new} (slowest: {worst})", f"{speed[worst] / speed['full']:.2f}x"],
+               [f"eviction >= 1.5x dense at {s['prompt']}+{new} (slowest: {worst})", ratio(speed[worst], speed["full"])],
                [f"peak KV <= ({s['budget']}+{s['interval']})/{s['prompt'] + new} of dense",
                 f"{kv_tokens} of {dense['peak_kv_tokens']} tokens = {kv_tokens / dense['peak_kv_tokens']:.4f} (bound "
                 f"{(s['budget'] + s['interval']) / (s['prompt'] + new):.4f}; dense never feeds its last token)"],
-               [f"{LONG_POLICY} >= 2x dense at {s['prompt']}+{s['long_new']}", f"{long_speed[LONG_POLICY] / long_speed['full']:.2f}x"],
+               [f"{LONG_POLICY} >= 2x dense at {s['prompt']}+{s['long_new']}",
+                ratio(long_speed[LONG_POLICY], long_speed["full"])],
                [f"choosing what to evict < 10 % of decode at interval {s['interval']} (most: {chooser})",
                 pct(results[chooser]["evict_share"])],
-               ["rejection + weights + down-sampling < 1 % of a step", f"{100 * over['correction_seconds'] / step:.4f} %"]]
+               ["rejection + weights + down-sampling < 1 % of a step", correction]]
     record["targets"] = dict(targets)
     tables = [f"Machine: {machine}. Model: {s.get('model', 'random Llama')}, {s['layers']} layers, {s['hidden']} wide, "
               f"{s['heads']} heads / {s['kv_heads']} KV heads, vocabulary {s['vocab']}, fp32. Batch {B}, prompt "

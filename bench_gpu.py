@@ -31,7 +31,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import bench
-from bench import EVICTION, HF, LONG_POLICY, copy_bandwidth, hf_generate, kv_formula, log, random_ids, timed
+from bench import EVICTION, HF, LONG_POLICY, copy_bandwidth, hf_generate, kv_formula, log, pct, random_ids, ratio, timed
 from correction import ALPHA_TOPK, dense_logprobs
 from kvcache import CACHE_ARG, KVCache, SparseConfig
 from policies import RESERVED_PAGES
@@ -204,9 +204,6 @@ class Report:
         self.write("| " + " | ".join(map(str, cells)) + " |")
 
 
-ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
-
-
 # ----------------------------------------------------------------------------- the measurements
 
 def late(s):
@@ -255,7 +252,7 @@ def table_1(model, s, report, record, bandwidth, weights):
                     for n in ("new", "long_new")]
         report.row([label, stands, timed_what, f"{r['tokens_per_s']:.0f}", ratio(r["tokens_per_s"], speed(HF, length)),
                     *vs_dense, size(r["peak_bytes"]), size(weights + r["kv_formula_bytes"]), size(r["rollout_kv_bytes"]),
-                    f"{100 * r['bandwidth_share']:.1f} %", same])
+                    pct(r["bandwidth_share"]), same])
 
 
 def table_2(s, report, record, device):
@@ -389,7 +386,7 @@ def table_4(model, s, report, record, bandwidth, weights):
                     size(r["fit_peak_bytes"]),
                     size(kv_formula(dict(s, batch=1), rollout_kv_tokens(s, sampler, s["search_new"], budget), 2)),
                     f"{speed:.0f}" if speed else "-", ratio(speed, record["batch"].get("full", {}).get("tokens_per_s")),
-                    f"{100 * share:.1f} %" if share else "-"])
+                    pct(share) if share else "-"])
 
 
 def targets(s, report, record):
