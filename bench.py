@@ -37,7 +37,7 @@ import correction as C
 import kvcache
 from kvcache import SparseConfig
 from models import load_pretrained
-from report import markdown
+from report import markdown, pyplot
 from sampler import clock, generate
 
 FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, batch=8, prompt=256, new=2048,
@@ -401,12 +401,8 @@ def report(s, results, long, scale, over, lim, wall, machine):
 
 
 def plot_scaling(scale, path):
-    """Section 3 as a PNG next to the JSON file, when matplotlib is installed (it is optional)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """Section 3 as a PNG next to the JSON file; without matplotlib (it is optional), a warning."""
+    if (plt := pyplot([path])) is None:
         return
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, label in (("full", "dense"), (LONG_POLICY, LONG_POLICY)):
