@@ -479,8 +479,7 @@ def main(argv=None):
     text, record = report(s, results, long, scale, over, lim, time.perf_counter() - wall, machine)
     record["table"] = text
     print(text)
-    with open(out, "w") as f:
-        json.dump(record, f, indent=1, default=str)
+    Path(out).write_text(json.dumps(record, indent=1, default=str))
     stem = os.path.splitext(out)[0]
     Path(stem + ".md").write_text(text + "\n")                               # the tables as printed
     plot_scaling(scale, stem + "_scaling.png")

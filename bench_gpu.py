@@ -444,8 +444,7 @@ def main(args):
     table_4(model, s, report, record, bandwidth, weights)
     targets(s, report, record)
     report.write(f"\nTotal wall time: {time.perf_counter() - started:.0f} s (and the imports before it).")
-    for row in record["rows"].values():
-        row.pop("tokens")
-    record["batch"] = {name: {k: v for k, v in row.items() if k != "tokens"} for name, row in record["batch"].items()}
+    for row in [*record["rows"].values(), *record["batch"].values()]:   # the token tensors stay out of the JSON
+        row.pop("tokens", None)
     out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
     return record
