@@ -27,8 +27,9 @@ import os
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -138,11 +139,9 @@ def run_clocks(model):
 
 @contextmanager
 def eviction_clock():
-    """Seconds spent choosing: `kvcache.compress` (score + keep), `Layer.remember` (window queries) and,
-    for block top-k, `kvcache.page_plan` and `kvcache.top_pages` (page scores at every decode step).
-
-    Each call reads the synchronised clock of its first argument's device (a Layer's, or page counts').
-    """
+    """Seconds spent choosing, inside the block: `kvcache.compress` (score + keep), `Layer.remember` (window
+    queries) and, for block top-k, `kvcache.page_plan` and `kvcache.top_pages` (page scores at every decode step).
+    Each call reads the synchronised clock of its first argument's device (a Layer's, or page counts')."""
     spent = [0.0]
 
     def clocked(fn):
@@ -153,15 +152,11 @@ def eviction_clock():
             return result
         return wrapper
 
-    saved = [(owner, name, getattr(owner, name)) for owner, name in
-             ((kvcache, "compress"), (kvcache.Layer, "remember"), (kvcache, "page_plan"), (kvcache, "top_pages"))]
-    for owner, name, fn in saved:
-        setattr(owner, name, clocked(fn))
-    try:
+    chosen = (kvcache, "compress"), (kvcache.Layer, "remember"), (kvcache, "page_plan"), (kvcache, "top_pages")
+    with ExitStack() as wrapped:   # patch.object puts each original back when the block ends
+        for owner, name in chosen:
+            wrapped.enter_context(patch.object(owner, name, clocked(getattr(owner, name))))
         yield spent
-    finally:
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
 
 
 def hf_generate(model, ids, new):
