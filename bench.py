@@ -56,6 +56,9 @@ EVICTION = ["streaming", "h2o", "snapkv", "rkv"]
 SPARSE = EVICTION + ["blocktopk"]
 LONG_POLICY = "snapkv"   # the eviction policy of the long rollout (scaling, 4096 + 256 target)
 HF = "HF generate"
+# The shape's names in the settings, and the Hugging Face config fields they stand for (Llama's and Qwen3's alike).
+HF_FIELDS = dict(layers="num_hidden_layers", hidden="hidden_size", heads="num_attention_heads",
+                 kv_heads="num_key_value_heads", ffn="intermediate_size", vocab="vocab_size")
 START = time.perf_counter()
 
 
@@ -70,15 +73,11 @@ def build_model(s):
     """A random Llama-family model shaped by `s`, or the pretrained s["model"], whose shape goes into `s`."""
     if "model" in s:
         model, _ = load_pretrained(s["model"])
-        c = model.config
-        s.update(layers=c.num_hidden_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
-                 kv_heads=c.num_key_value_heads, ffn=c.intermediate_size, vocab=c.vocab_size)
+        s.update({ours: getattr(model.config, field) for ours, field in HF_FIELDS.items()})
     else:
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"], num_hidden_layers=s["layers"],
-            num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-            max_position_embeddings=s["prompt"] + s["long_new"])).eval()
+        model = LlamaForCausalLM(LlamaConfig(**{field: s[ours] for ours, field in HF_FIELDS.items()},
+                                             max_position_embeddings=s["prompt"] + s["long_new"])).eval()
     model.generation_config.eos_token_id = None   # every run is full length (a random model has no end token)
     return model
 

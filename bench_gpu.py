@@ -31,7 +31,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import bench
-from bench import EVICTION, HF, LONG_POLICY, copy_bandwidth, hf_generate, kv_formula, log, pct, random_ids, ratio, timed
+from bench import (EVICTION, HF, HF_FIELDS, LONG_POLICY, copy_bandwidth, hf_generate, kv_formula, log, pct,
+                   random_ids, ratio, timed)
 from correction import ALPHA_TOPK, dense_logprobs
 from kvcache import CACHE_ARG, KVCache, SparseConfig
 from policies import RESERVED_PAGES
@@ -68,10 +69,9 @@ ROWS = [(HF, "new", {}), ("full", "new", {}), (HF, "long_new", {}), ("full", "lo
 def qwen3_model(s, device):
     """A random Qwen3 of shape `s` (head_dim = hidden / heads, tied embeddings) in bf16 on `device`, eval mode."""
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
-                         num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                         head_dim=s["hidden"] // s["heads"], tie_word_embeddings=True,
-                         max_position_embeddings=s["prompt"] + s["search_new"], eos_token_id=None)
+    config = Qwen3Config(**{field: s[ours] for ours, field in HF_FIELDS.items()}, head_dim=s["hidden"] // s["heads"],
+                         tie_word_embeddings=True, max_position_embeddings=s["prompt"] + s["search_new"],
+                         eos_token_id=None)
     with torch.device(device):   # initialised where it runs: 1.7B parameters are slow to initialise on a CPU
         model = Qwen3ForCausalLM(config)
     model = model.to(DTYPE).eval()
