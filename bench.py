@@ -245,12 +245,11 @@ def kv_formula(s, tokens, bytes_per_value=4):
     return 2 * s["layers"] * s["kv_heads"] * (s["hidden"] // s["heads"]) * tokens * bytes_per_value * s["batch"]
 
 
-def overheads(model, rollouts, dense_seconds, rollout_seconds, s, repeats=50):
-    """Section 4: correction vs one training step, and dense re-scoring vs the rollout it re-scores.
-
-    One training step here is the learner's part only (re-score the kept rollouts densely, forward
-    with grad, loss, backward, AdamW step), not the rollout: the smallest honest denominator.
-    """
+def overheads(model, ids, results, s, repeats=50):
+    """Section 4: correction vs one training step, dense re-scoring vs the rollout it re-scores (LONG_POLICY's), and
+    choosing at interval 1. One training step here is the learner's part only (re-score the kept rollouts densely,
+    forward with grad, loss, backward, AdamW step), not the rollout: the smallest honest denominator."""
+    rollouts = results[LONG_POLICY]["rollouts"]
     rescore, logp_old = timed(lambda: C.dense_logprobs(model, rollouts, batch_size=s["batch"]), model.device)
     rewards = torch.rand(len(rollouts), generator=torch.Generator().manual_seed(0)).round()  # 0/1, one group
 
@@ -272,8 +271,16 @@ def overheads(model, rollouts, dense_seconds, rollout_seconds, s, repeats=50):
     loss.backward()
     optimizer.step()
     step = clock(model.device) - start
-    return dict(correction_seconds=statistics.median(times), train_step_seconds=step, rescore_seconds=rescore,
-                rescore_vs_dense_rollout=rescore / dense_seconds, rescore_vs_rollout=rescore / rollout_seconds)
+    over = dict(correction_seconds=statistics.median(times), train_step_seconds=step, rescore_seconds=rescore,
+                rescore_vs_dense_rollout=rescore / results["full"]["seconds"],
+                rescore_vs_rollout=rescore / results[LONG_POLICY]["seconds"], interval_1={})
+    # Interval 1 compresses at every step once over budget: a quarter of the rollout already shows that steady
+    # state, at a quarter of the cost; in snapkv and rkv, the choice costs real work at every compression.
+    for name in ("snapkv", "rkv"):
+        log(f"{name} at interval 1")
+        r = run_ours(model, ids.tolist(), name, s["new"] // 4, s, interval=1)
+        over["interval_1"][name] = r["evict_seconds"] / (r["seconds"] - r["prefill"])
+    return over
 
 
 def limit(s, dense, n=None, repeats=5):
@@ -459,15 +466,7 @@ def main(argv=None):
     results, long = throughput(model, ids, s, s["repeats"])
     scale = scaling(long, s)
     log("overheads: dense re-scoring, correction, one training step")
-    over = overheads(model, results[LONG_POLICY]["rollouts"], results["full"]["seconds"],
-                     results[LONG_POLICY]["seconds"], s)
-    # Interval 1 compresses at every step once over budget: a quarter of the rollout already shows
-    # that steady state, at a quarter of the cost.
-    over["interval_1"] = {}
-    for name in ("snapkv", "rkv"):   # the policies whose choice costs real work at every compression
-        log(f"{name} at interval 1")
-        r = run_ours(model, ids.tolist(), name, s["new"] // 4, s, interval=1)
-        over["interval_1"][name] = r["evict_seconds"] / (r["seconds"] - r["prefill"])
+    over = overheads(model, ids, results, s)
     log("the limit: torch.mm and copy bandwidth")
     lim = limit(s, results["full"])
     text, record = report(s, results, long, scale, over, lim, time.perf_counter() - wall, machine)
