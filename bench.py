@@ -200,7 +200,7 @@ def median_run(runs):
 
 # ----------------------------------------------------------------------------- the five measurements
 
-def throughput(model, ids, s, repeats):
+def throughput(model, ids, s):
     """Section 1: every sampler once per round, `repeats` rounds after a short warm-up of each; then the long
     rollout, dense and LONG_POLICY, `long_repeats` rounds. -> ({sampler: median_run}, {the long ones: ...})."""
     prompts = ids.tolist()
@@ -216,7 +216,7 @@ def throughput(model, ids, s, repeats):
 
     for name in [HF, "full"] + SPARSE:
         run(name, min(32, s["new"]))
-    return (rounds("throughput", [HF, "full"] + SPARSE, s["new"], repeats),
+    return (rounds("throughput", [HF, "full"] + SPARSE, s["new"], s["repeats"]),
             rounds("long rollout", ["full", LONG_POLICY], s["long_new"], s["long_repeats"]))
 
 
@@ -283,7 +283,7 @@ def overheads(model, ids, results, s, repeats=50):
     return over
 
 
-def limit(s, dense, n=None, repeats=5):
+def limit(s, dense, repeats=5):
     """Section 5: measured mm FLOP/s and copy bandwidth, and our dense decode's share of each.
 
     FLOPs are counted as 2 per multiply-add of the matrix products only: 2 * (weights of every
@@ -291,7 +291,7 @@ def limit(s, dense, n=None, repeats=5):
     per token for attention (q.k and p.v). Norms, rotary, softmax and sampling are not counted.
     Bytes: every step reads all linear weights once and the whole KV cache once.
     """
-    n = n or s["mm"]
+    n = s["mm"]
     a, b = torch.randn(n, n), torch.randn(n, n)
     L, H, D, B = s["layers"], s["heads"], s["hidden"] // s["heads"], s["batch"]
     linear = L * (2 * s["hidden"] ** 2 + 2 * s["hidden"] * s["kv_heads"] * D + 3 * s["hidden"] * s["ffn"])
@@ -463,7 +463,7 @@ def main(argv=None):
     except ValueError as error:                                     # a --model that is not there
         parser.error(str(error))
     ids = random_ids(s, s["batch"], s["prompt"])
-    results, long = throughput(model, ids, s, s["repeats"])
+    results, long = throughput(model, ids, s)
     scale = scaling(long, s)
     log("overheads: dense re-scoring, correction, one training step")
     over = overheads(model, ids, results, s)
