@@ -110,10 +110,8 @@ def copy_bandwidth(values, device="cpu", repeats=5):
 def cpu_jiffies():
     """(busy jiffies of the whole machine, of this process), or None where /proc is missing (not Linux)."""
     try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        with open("/proc/self/stat") as f:
-            own = f.read().rsplit(")", 1)[1].split()
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]   # the "cpu" line
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()   # after the command name
         return sum(fields) - fields[3] - fields[4], int(own[11]) + int(own[12])   # minus idle, iowait
     except (OSError, IndexError, ValueError):
         return None
@@ -176,9 +174,9 @@ def run_hf(model, ids, new):
                 others=others[0])
 
 
-def run_ours(model, prompts, policy, new, s, interval=None):
+def run_ours(model, ids, policy, new, s, interval=None):
     """Our sampler, greedy, exactly `new` tokens -> dict like `run_hf` plus eviction time and step stamps."""
-    sparse = SparseConfig(policy, budget=s["budget"], interval=interval or s["interval"])
+    sparse, prompts = SparseConfig(policy, budget=s["budget"], interval=interval or s["interval"]), ids.tolist()
     with eviction_clock() as spent, run_clocks(model) as (stamps, others):
         start = clock(model.device)
         out = generate(model, prompts, sparse, max_new_tokens=new, temperature=0)
@@ -203,8 +201,7 @@ def median_run(runs):
 def throughput(model, ids, s):
     """Section 1: every sampler once per round, `repeats` rounds after a short warm-up of each; then the long
     rollout, dense and LONG_POLICY, `long_repeats` rounds. -> ({sampler: median_run}, {the long ones: ...})."""
-    prompts = ids.tolist()
-    run = lambda name, new: run_hf(model, ids, new) if name == HF else run_ours(model, prompts, name, new, s)
+    run = lambda name, new: run_hf(model, ids, new) if name == HF else run_ours(model, ids, name, new, s)
 
     def rounds(what, names, new, repeats):
         done = []
@@ -278,7 +275,7 @@ def overheads(model, ids, results, s, repeats=50):
     # state, at a quarter of the cost; in snapkv and rkv, the choice costs real work at every compression.
     for name in ("snapkv", "rkv"):
         log(f"{name} at interval 1")
-        r = run_ours(model, ids.tolist(), name, s["new"] // 4, s, interval=1)
+        r = run_ours(model, ids, name, s["new"] // 4, s, interval=1)
         over["interval_1"][name] = r["evict_seconds"] / (r["seconds"] - r["prefill"])
     return over
 
@@ -408,8 +405,7 @@ def plot_scaling(scale, path):
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, label in (("full", "dense"), (LONG_POLICY, LONG_POLICY)):
         ax.plot([r["context"] for r in scale], [r[name] for r in scale], marker="o", label=label)
-    ax.set(xlabel="context (tokens)", ylabel="decode ms per token", title="Decode time against context")
-    ax.set_ylim(bottom=0)
+    ax.set(xlabel="context (tokens)", ylabel="decode ms per token", title="Decode time against context", ylim=(0, None))
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
