@@ -156,35 +156,33 @@ def eviction_clock():
         yield spent
 
 
-def hf_generate(model, ids, new):
-    """Hugging Face greedy `generate` of exactly `new` tokens; its output holds the cache (CACHE_ARG)."""
+def greedy(model, ids, sampler, new, budget=None, interval=None, **extra):
+    """Exactly `new` greedy tokens after each row of `ids`, by Hugging Face `generate` (`sampler` HF) or by our
+    sampler with that policy -> (tokens, peak KV tokens, peak KV bytes, our Rollouts or None for HF)."""
+    if sampler != HF:
+        sparse = SparseConfig(sampler, budget=budget, interval=interval)
+        out = generate(model, ids.tolist(), sparse, max_new_tokens=new, temperature=0, **extra)
+        return out.tokens, out.stats["peak_kv_tokens"], out.stats["peak_kv_bytes"], out
     with torch.inference_mode():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
-                              min_new_tokens=new, pad_token_id=0, return_dict_in_generate=True)
-
-
-def run_hf(model, ids, new):
-    """`hf_generate` on the run's clocks -> dict of tokens, seconds, KV bytes."""
-    with run_clocks(model) as (stamps, others):
-        seconds, out = timed(lambda: hf_generate(model, ids, new), model.device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                             min_new_tokens=new, pad_token_id=0, return_dict_in_generate=True)
     kv = getattr(out, kvcache.CACHE_ARG)   # a dynamic cache only grows: its final size is its peak
     kv_bytes = sum(t.numel() * t.element_size() for layer in kv.layers for t in (layer.keys, layer.values))
-    return dict(tokens=out.sequences[:, ids.shape[1]:], seconds=seconds, prefill=stamps[1] - stamps[0],
-                peak_kv_tokens=kv.get_seq_length(), peak_kv_bytes=kv_bytes, evict_seconds=None, stamps=None,
-                others=others[0])
+    return out.sequences[:, ids.shape[1]:], kv.get_seq_length(), kv_bytes, None
 
 
-def run_ours(model, ids, policy, new, s, interval=None):
-    """Our sampler, greedy, exactly `new` tokens -> dict like `run_hf` plus eviction time and step stamps."""
-    sparse, prompts = SparseConfig(policy, budget=s["budget"], interval=interval or s["interval"]), ids.tolist()
+def run(model, ids, sampler, new, s, interval=None):
+    """`greedy` on the run's clocks -> dict of tokens, seconds, prefill seconds, peak KV tokens and bytes, the
+    disturbance and, for ours (None for HF), seconds spent choosing, step stamps and the Rollouts."""
     with eviction_clock() as spent, run_clocks(model) as (stamps, others):
         start = clock(model.device)
-        out = generate(model, prompts, sparse, max_new_tokens=new, temperature=0)
+        tokens, kv_tokens, kv_bytes, rollouts = greedy(model, ids, sampler, new, s["budget"], interval or s["interval"])
         end = clock(model.device)
-    assert out.tokens.shape[1] == new, "every run must generate exactly the requested tokens"
-    return dict(tokens=out.tokens, seconds=end - start, prefill=stamps[1] - stamps[0], rollouts=out,
-                peak_kv_tokens=out.stats["peak_kv_tokens"], peak_kv_bytes=out.stats["peak_kv_bytes"],
-                evict_seconds=spent[0], stamps=stamps + [end], others=others[0])
+    assert tokens.shape[1] == new, "every run must generate exactly the requested tokens"
+    ours = sampler != HF
+    return dict(tokens=tokens, seconds=end - start, prefill=stamps[1] - stamps[0], rollouts=rollouts,
+                peak_kv_tokens=kv_tokens, peak_kv_bytes=kv_bytes, evict_seconds=spent[0] if ours else None,
+                stamps=stamps + [end] if ours else None, others=others[0])
 
 
 def median_run(runs):
@@ -201,18 +199,17 @@ def median_run(runs):
 def throughput(model, ids, s):
     """Section 1: every sampler once per round, `repeats` rounds after a short warm-up of each; then the long
     rollout, dense and LONG_POLICY, `long_repeats` rounds. -> ({sampler: median_run}, {the long ones: ...})."""
-    run = lambda name, new: run_hf(model, ids, new) if name == HF else run_ours(model, ids, name, new, s)
 
     def rounds(what, names, new, repeats):
         done = []
         for i in range(repeats):   # every other round runs in reverse order, so a slow drift of the machine
             order = names if i % 2 == 0 else names[::-1]            # does not always hit the same sampler
             log(f"{what} round {i + 1} of {repeats}: {', '.join(order)}, {new} new tokens")
-            done.append({name: run(name, new) for name in order})
+            done.append({name: run(model, ids, name, new, s) for name in order})
         return {name: median_run([r[name] for r in done]) for name in names}
 
     for name in [HF, "full"] + SPARSE:
-        run(name, min(32, s["new"]))
+        run(model, ids, name, min(32, s["new"]), s)
     return (rounds("throughput", [HF, "full"] + SPARSE, s["new"], s["repeats"]),
             rounds("long rollout", ["full", LONG_POLICY], s["long_new"], s["long_repeats"]))
 
@@ -275,7 +272,7 @@ def overheads(model, ids, results, s, repeats=50):
     # state, at a quarter of the cost; in snapkv and rkv, the choice costs real work at every compression.
     for name in ("snapkv", "rkv"):
         log(f"{name} at interval 1")
-        r = run_ours(model, ids, name, s["new"] // 4, s, interval=1)
+        r = run(model, ids, name, s["new"] // 4, s, interval=1)
         over["interval_1"][name] = r["evict_seconds"] / (r["seconds"] - r["prefill"])
     return over
 
@@ -316,15 +313,15 @@ def pct(share):
 
 def report(s, results, long, scale, over, lim, wall, machine):
     """Build the printed tables and the JSON record from the measurements."""
-    B, new, dense = s["batch"], s["new"], results["full"]
+    B, new, dense, hf = s["batch"], s["new"], results["full"], results[HF]["tokens"]
     speed = {name: B * new / r["seconds"] for name, r in results.items()}
     long_speed = {name: B * s["long_new"] / r["seconds"] for name, r in long.items()}
     record = dict(settings=dict(s), machine=machine, throughput={}, scaling=scale, overheads=over, limit=lim,
-                  wall_seconds=wall)
-    rows, memory, record["long"] = [], [], {}
+                  wall_seconds=wall, long={})
+    rows, memory = [], []
     for name, r in results.items():
         label, formula = name if name == HF else f"ours {name}", kv_formula(s, r["peak_kv_tokens"])
-        kv, hf = f"{r['peak_kv_bytes'] / dense['peak_kv_bytes']:.3f}", results[HF]["tokens"]
+        kv = f"{r['peak_kv_bytes'] / dense['peak_kv_bytes']:.3f}"
         rows.append([label, f"{speed[name]:.1f}", ratio(speed[name], speed[HF]), ratio(speed[name], speed["full"]), kv,
                      pct(r["evict_share"]) if name in SPARSE else "-",
                      "-" if name == HF else f"{(r['tokens'] == hf).float().mean().item():.3f}"])
@@ -336,12 +333,11 @@ def report(s, results, long, scale, over, lim, wall, machine):
             kv_formula_bytes=formula, evict_share=r.get("evict_share"), others_load=r["all_others"],
             same_tokens_as_hf=None if name == HF else bool(torch.equal(r["tokens"], hf)))
     for name, r in long.items():
-        kv = r["peak_kv_bytes"] / long["full"]["peak_kv_bytes"]
-        rows.append([f"ours {name}, {s['long_new']} new", f"{long_speed[name]:.1f}", "-",
-                     ratio(long_speed[name], long_speed["full"]), f"{kv:.3f}",
-                     pct(r["evict_share"]) if name != "full" else "-", "-"])
-        record["long"][name] = dict(tokens_per_s=long_speed[name], vs_dense=long_speed[name] / long_speed["full"],
-                                    seconds=r["all_seconds"], peak_kv_bytes=r["peak_kv_bytes"], others_load=r["all_others"])
+        vs_dense, kv = long_speed[name] / long_speed["full"], r["peak_kv_bytes"] / long["full"]["peak_kv_bytes"]
+        rows.append([f"ours {name}, {s['long_new']} new", f"{long_speed[name]:.1f}", "-", f"{vs_dense:.2f}x",
+                     f"{kv:.3f}", pct(r["evict_share"]) if name != "full" else "-", "-"])
+        record["long"][name] = dict(tokens_per_s=long_speed[name], vs_dense=vs_dense, seconds=r["all_seconds"],
+                                    peak_kv_bytes=r["peak_kv_bytes"], others_load=r["all_others"])
     # Runs during which other processes kept a tenth of a core or more busy: their times are suspect.
     record["disturbed_runs"] = disturbed = [f"{name} {i + 1} ({load:.1f})" for group in (results, long)
                                             for name, r in group.items() for i, load in enumerate(r["all_others"])

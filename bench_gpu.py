@@ -31,10 +31,10 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import bench
-from bench import (EVICTION, HF, HF_FIELDS, LONG_POLICY, copy_bandwidth, hf_generate, kv_formula, log, pct,
+from bench import (EVICTION, HF, HF_FIELDS, LONG_POLICY, copy_bandwidth, greedy, kv_formula, log, pct,
                    random_ids, ratio, timed)
 from correction import ALPHA_TOPK, dense_logprobs
-from kvcache import CACHE_ARG, KVCache, SparseConfig
+from kvcache import KVCache, SparseConfig
 from policies import RESERVED_PAGES
 from report import markdown
 from sampler import Rollouts, clock, generate
@@ -126,8 +126,8 @@ def forward_calls(model, sampler, at, action):
 
 # ----------------------------------------------------------------------------- one timed window
 
-def window_run(model, s, sampler, prompt_len, steps, budget=None, batch=None, extra=None):
-    """Decode `steps` tokens after `prompt_len` random tokens, greedy; time the last `s["window"]` of them.
+def window_run(model, s, sampler, prompt_len, steps, budget=None, batch=None, **extra):
+    """Decode `steps` greedy tokens after `prompt_len` random ones (`extra` goes to generate); time the last `window`.
 
     Returns dict: tokens_per_s (batch * window / synchronised seconds), step_s, peak_bytes (None on a CPU),
     kv_tokens (the most the cache held), tokens [batch, steps].
@@ -137,13 +137,7 @@ def window_run(model, s, sampler, prompt_len, steps, budget=None, batch=None, ex
     start = []
     reset_peak(device)
     with forward_calls(model, sampler, steps - s["window"], lambda: start.append(clock(device))):
-        if sampler == HF:
-            out = hf_generate(model, ids, steps)
-            tokens, kv_tokens = out.sequences[:, prompt_len:], getattr(out, CACHE_ARG).get_seq_length()
-        else:
-            sparse = SparseConfig(sampler, budget=budget or s["budget"], interval=s["interval"])
-            out = generate(model, ids.tolist(), sparse, max_new_tokens=steps, temperature=0, **(extra or {}))
-            tokens, kv_tokens = out.tokens, out.stats["peak_kv_tokens"]
+        tokens, kv_tokens, _, _ = greedy(model, ids, sampler, steps, budget or s["budget"], s["interval"], **extra)
         seconds = clock(device) - start[0]
     return dict(tokens_per_s=batch * s["window"] / seconds, step_s=seconds / s["window"], peak_bytes=peak_bytes(device),
                 kv_tokens=kv_tokens, tokens=tokens, run_seconds=time.perf_counter() - wall)
@@ -215,7 +209,7 @@ def measure_row(model, s, sampler, length, extra, bandwidth, weights):
     """One row of table 1: `window_run` as `plan` says, plus the bandwidth share and the KV formulas (bf16)."""
     prompt_len, steps, first = plan(s, sampler, length)
     log(f"table 1: {sampler} {extra}, {length}: prompt {prompt_len}, {steps} steps")
-    r = window_run(model, s, sampler, prompt_len, steps, extra=extra)
+    r = window_run(model, s, sampler, prompt_len, steps, **extra)
     read = weights + kv_read_bytes(s, sampler, first + s["window"] / 2, s["batch"])
     whole = rollout_kv_tokens(s, sampler, s["new" if length == "any" else length])
     return dict(r, steps=steps, first=first, bandwidth_share=read / r["step_s"] / bandwidth,

@@ -241,7 +241,7 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_bench_runs(tmp_path
 # ----------------------------------------------------------------------------- the arithmetic, on fake timings
 
 def fake_run(seconds, prefill=0.0, evict=None, kv_tokens=10, tokens=None):
-    """One run's dict as run_hf / run_ours return it, with known seconds (no model, no clock)."""
+    """One run's dict as bench.run returns it, with known seconds (no model, no clock)."""
     return dict(tokens=torch.zeros(2, 4, dtype=torch.long) if tokens is None else tokens, seconds=seconds,
                 prefill=prefill, peak_kv_tokens=kv_tokens, peak_kv_bytes=kv_tokens * 8, evict_seconds=evict,
                 stamps=None, others=None)
