@@ -5,21 +5,17 @@
     python bench.py --gpu --out $OUT/bench_gpu.md   # the one-GPU bench, bench_gpu.py (under 10 minutes on an H100)
     python bench.py --model smollm2-135m   # a real pretrained model (train.py's --model), ~10 minutes
 
-One run measures, on the CPU, and prints five markdown tables plus a JSON file:
-1. Throughput: tokens per second of Hugging Face `model.generate` (its dynamic cache), our sampler with
-   the full cache, with each eviction policy (budget 256, interval 128) and with block top-k, on a
-   random Llama with grouped-query attention (or --model, shorter runs). Each is the median of
-   `--repeats` rounds after a warm-up; a round runs every sampler once, back to back (every other
-   round reversed), so a disturbance hits all alike; runs that other processes disturbed are listed.
-   Keep the machine idle: a second job stalls PyTorch's threads and can slow a run several times over.
+One run measures, on the CPU, and prints five markdown tables plus a JSON file (each section's function tells how):
+1. Throughput: tokens per second of Hugging Face `model.generate` (its dynamic cache), our sampler with the full
+   cache, with each eviction policy (budget 256, interval 128) and with block top-k, on a random Llama with
+   grouped-query attention (or --model, shorter runs). Keep the machine idle: a second job stalls PyTorch's threads
+   and can slow a run several times over; the runs that other processes disturbed are listed.
 2. Memory: the peak KV cache of each run, against `2 * layers * kv_heads * head_dim * tokens * bytes * batch`.
-3. Scaling: decode time per token around each context length, from per-step timestamps of one long
-   rollout (also drawn to <out>_scaling.png when matplotlib is installed).
-4. Overheads: time spent choosing (what to evict, or which pages) as a share of decode time;
-   rejection + weights + down-sampling against one training step; dense re-scoring against the rollout.
+3. Scaling: decode time per token around each context length, from one long rollout; also <out>_scaling.png.
+4. Overheads: choosing (what to evict, or which pages) as a share of decode time; rejection + weights +
+   down-sampling against one training step; dense re-scoring against the rollout.
 5. The limit: the measured matmul FLOP/s and copy bandwidth, and how much of each our dense decode uses.
-Timings are measurements, never assertions: no test checks a speed.
-"""
+Timings are measurements, never assertions: no test checks a speed."""
 import argparse
 import copy
 import json
@@ -197,8 +193,9 @@ def median_run(runs):
 # ----------------------------------------------------------------------------- the five measurements
 
 def throughput(model, ids, s):
-    """Section 1: every sampler once per round, `repeats` rounds after a short warm-up of each; then the long
-    rollout, dense and LONG_POLICY, `long_repeats` rounds. -> ({sampler: median_run}, {the long ones: ...})."""
+    """Section 1: `repeats` rounds (medians) after a short warm-up of each sampler; a round runs every sampler once,
+    back to back, so a disturbance hits all alike. Then the long rollout, dense and LONG_POLICY, `long_repeats`
+    rounds. -> ({sampler: median_run}, {the long ones: ...})."""
 
     def rounds(what, names, new, repeats):
         done = []
@@ -217,10 +214,9 @@ def throughput(model, ids, s):
 def scaling(long, s):
     """Section 3: mean decode time per token over the `interval` steps whose context ends at each length.
 
-    Decode step i (i >= 1) feeds one token with prompt + i tokens cached; its time runs from its own
-    forward pass to the next one (sampling included). An interval-long window holds exactly one
-    compression of the evicting cache, so the cost of choosing is spread as it is in a rollout.
-    """
+    Decode step i (i >= 1) feeds one token with prompt + i tokens cached; its time runs from its own forward pass
+    to the next one (sampling included). An interval-long window holds exactly one compression of the evicting
+    cache, so the cost of choosing is spread as it is in a rollout."""
     table = []
     for context in s["contexts"]:
         row = dict(context=context)
@@ -280,11 +276,10 @@ def overheads(model, ids, results, s, repeats=50):
 def limit(s, dense, repeats=5):
     """Section 5: measured mm FLOP/s and copy bandwidth, and our dense decode's share of each.
 
-    FLOPs are counted as 2 per multiply-add of the matrix products only: 2 * (weights of every
-    linear layer, the output layer included) per token, plus 4 * layers * heads * head_dim * context
-    per token for attention (q.k and p.v). Norms, rotary, softmax and sampling are not counted.
-    Bytes: every step reads all linear weights once and the whole KV cache once.
-    """
+    FLOPs are counted as 2 per multiply-add of the matrix products only: 2 * (weights of every linear layer, the
+    output layer included) per token, plus 4 * layers * heads * head_dim * context per token for attention (q.k
+    and p.v). Norms, rotary, softmax and sampling are not counted. Bytes: every step reads all linear weights once
+    and the whole KV cache once."""
     n = s["mm"]
     a, b = torch.randn(n, n), torch.randn(n, n)
     L, H, D, B = s["layers"], s["heads"], s["hidden"] // s["heads"], s["batch"]
