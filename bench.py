@@ -220,8 +220,8 @@ def scaling(long, s):
     table = []
     for context in s["contexts"]:
         row = dict(context=context)
-        for name, run in long.items():
-            stamps, first = run["stamps"], context - s["interval"] - s["prompt"] + 1
+        for name, r in long.items():
+            stamps, first = r["stamps"], context - s["interval"] - s["prompt"] + 1
             last = min(context - s["prompt"], len(stamps) - 2)   # a context at prompt + new ends at the last step
             steps = [stamps[i + 1] - stamps[i] for i in range(max(first, 1), last + 1)]
             row[name] = 1e3 * statistics.mean(steps) / s["batch"] if steps else float("nan")
@@ -280,9 +280,8 @@ def limit(s, dense, repeats=5):
     output layer included) per token, plus 4 * layers * heads * head_dim * context per token for attention (q.k
     and p.v). Norms, rotary, softmax and sampling are not counted. Bytes: every step reads all linear weights once
     and the whole KV cache once."""
-    n = s["mm"]
+    n, L, H, D, B = s["mm"], s["layers"], s["heads"], s["hidden"] // s["heads"], s["batch"]
     a, b = torch.randn(n, n), torch.randn(n, n)
-    L, H, D, B = s["layers"], s["heads"], s["hidden"] // s["heads"], s["batch"]
     linear = L * (2 * s["hidden"] ** 2 + 2 * s["hidden"] * s["kv_heads"] * D + 3 * s["hidden"] * s["ffn"])
     linear += s["hidden"] * s["vocab"]
     fed = s["prompt"] + s["new"] - 1                       # every token but the last passes the model once
@@ -296,14 +295,9 @@ def limit(s, dense, repeats=5):
 
 # ----------------------------------------------------------------------------- the report
 
-def ratio(a, b):
-    """a / b as the tables print it ("1.25x"), or "-" where either is missing (bench_gpu.py: a skipped row)."""
-    return f"{a / b:.2f}x" if a and b else "-"
-
-
-def pct(share):
-    """A share as the tables print it: "12.5 %"."""
-    return f"{100 * share:.1f} %"
+# A ratio and a share as the tables print them ("1.25x", "12.5 %"); "-" where a number is missing (a skipped row).
+ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
+pct = lambda share: f"{100 * share:.1f} %"
 
 
 def report(s, results, long, scale, over, lim, wall, machine):
