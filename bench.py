@@ -23,7 +23,7 @@ import os
 import statistics
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from unittest.mock import patch
 
@@ -145,11 +145,9 @@ def eviction_clock():
             return result
         return wrapper
 
-    chosen = (kvcache, "compress"), (kvcache.Layer, "remember"), (kvcache, "page_plan"), (kvcache, "top_pages")
-    with ExitStack() as wrapped:   # patch.object puts each original back when the block ends
-        for owner, name in chosen:
-            wrapped.enter_context(patch.object(owner, name, clocked(getattr(owner, name))))
-        yield spent
+    wrapped = {name: clocked(getattr(kvcache, name)) for name in ("compress", "page_plan", "top_pages")}
+    with patch.multiple(kvcache, **wrapped), patch.object(kvcache.Layer, "remember", clocked(kvcache.Layer.remember)):
+        yield spent   # patch puts each original back when the block ends
 
 
 def greedy(model, ids, sampler, new, budget=None, interval=None, **extra):
