@@ -98,8 +98,7 @@ def rate(work, fn, device="cpu", repeats=5):
 
 def copy_bandwidth(values, device="cpu", repeats=5):
     """Bytes per second of copying `values` fp32 numbers to a second buffer on `device`, read + write counted."""
-    src = torch.ones(values, device=device)
-    dst = torch.empty_like(src)
+    src, dst = torch.ones(values, device=device), torch.empty(values, device=device)
     return rate(2 * src.nbytes, lambda: dst.copy_(src), device, repeats)
 
 
@@ -173,10 +172,9 @@ def run(model, ids, sampler, new, s, interval=None):
         tokens, kv_tokens, kv_bytes, rollouts = greedy(model, ids, sampler, new, s["budget"], interval or s["interval"])
         end = clock(model.device)
     assert tokens.shape[1] == new, "every run must generate exactly the requested tokens"
-    ours = sampler != HF
     return dict(tokens=tokens, seconds=end - start, prefill=stamps[1] - stamps[0], rollouts=rollouts,
-                peak_kv_tokens=kv_tokens, peak_kv_bytes=kv_bytes, evict_seconds=spent[0] if ours else None,
-                stamps=stamps + [end] if ours else None, others=others[0])
+                peak_kv_tokens=kv_tokens, peak_kv_bytes=kv_bytes, evict_seconds=None if sampler == HF else spent[0],
+                stamps=None if sampler == HF else stamps + [end], others=others[0])
 
 
 def median_run(runs):
@@ -435,8 +433,7 @@ def main(argv=None):
         parser.error(f"--out {out!r}: {error}")
     s = dict(QUICK) if args.quick else dict(PRETRAINED, model=args.model) if args.model else dict(FULL)
     s["repeats"] = args.repeats or s["repeats"]
-    wall = time.perf_counter()
-    machine = f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    wall, machine = time.perf_counter(), f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     try:
         model = build_model(s)
     except ValueError as error:                                     # a --model that is not there
