@@ -125,7 +125,7 @@ def run_clocks(model):
         handle.remove()
         after, seconds = cpu_jiffies(), time.perf_counter() - start
         if before and after and seconds >= 1:   # shorter blocks are below the clock tick's resolution
-            ticks = os.sysconf("SC_CLK_TCK") * seconds
+            ticks = os.sysconf("SC_CLK_TCK") * seconds   # the jiffies one core has in the block
             others[0] = max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / ticks)
 
 
@@ -264,8 +264,7 @@ def overheads(model, ids, results, s, repeats=50):
     # state, at a quarter of the cost; in snapkv and rkv, the choice costs real work at every compression.
     for name in ("snapkv", "rkv"):
         log(f"{name} at interval 1")
-        r = run(model, ids, name, s["new"] // 4, s, interval=1)
-        over["interval_1"][name] = r["evict_seconds"] / (r["seconds"] - r["prefill"])
+        over["interval_1"][name] = median_run([run(model, ids, name, s["new"] // 4, s, interval=1)])["evict_share"]
     return over
 
 
@@ -397,11 +396,9 @@ def cpu_name():
     """The device the numbers belong to: the GPU if there is one, else the CPU model and core count."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        name = "CPU"
+    cpuinfo = Path("/proc/cpuinfo")   # Linux only
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "CPU")
     return f"{name} ({os.cpu_count()} cores)"
 
 
