@@ -356,7 +356,6 @@ def report(s, results, long, scale, over, lim, wall, machine):
                [f"choosing what to evict < 10 % of decode at interval {s['interval']} (most: {chooser})",
                 pct(results[chooser]["evict_share"])],
                ["rejection + weights + down-sampling < 1 % of a step", correction]]
-    record["targets"] = dict(targets)
     tables = [f"Machine: {machine}. Model: {s.get('model', 'random Llama')}, {s['layers']} layers, {s['hidden']} wide, "
               f"{s['heads']} heads / {s['kv_heads']} KV heads, vocabulary {s['vocab']}, fp32. Batch {B}, prompt "
               f"{s['prompt']}, greedy; eviction budget {s['budget']}, interval {s['interval']}; block top-k: the same "
@@ -375,7 +374,7 @@ def report(s, results, long, scale, over, lim, wall, machine):
               "### 5. The limit (FLOPs: matrix products only; bytes: all weights + the whole KV cache per step)",
               markdown(["measure", "machine", "our dense decode", "fraction"], lim_rows),
               "### Targets", markdown(["target", "measured"], targets), f"Total wall time: {wall:.0f} s."]
-    return "\n\n".join(tables), record
+    return "\n\n".join(tables), dict(record, targets=dict(targets))
 
 
 def plot_scaling(scale, path):

@@ -191,8 +191,8 @@ class Report:
         self.file.write(text + "\n")
         self.file.flush()
 
-    def table(self, title, header):
-        self.write(f"\n{title}\n\n" + markdown(header, []))
+    def table(self, title, header, rows=()):
+        self.write(f"\n{title}\n\n" + markdown(header, rows))
 
     def row(self, cells):
         self.write("| " + " | ".join(map(str, cells)) + " |")
@@ -405,9 +405,7 @@ def targets(s, report, record):
         [f"snapkv captured >= 1.4x dense captured at {s['prompt']}+{s['new']}; >= 2x at {s['prompt']}+{s['long_new']}",
          "; ".join(ratio(speed(f"{row_label('snapkv', CAPTURED)} any"), speed(f"{row_label('full', CAPTURED)} {n}"))
                    for n in ("new", "long_new"))]]
-    report.table("### Targets", ["target", "measured"])
-    for row in found:
-        report.row(row)
+    report.table("### Targets", ["target", "measured"], found)
     record["targets"] = dict(found)
 
 
