@@ -102,12 +102,12 @@ def copy_bandwidth(values, device="cpu", repeats=5):
     return rate(2 * src.nbytes, lambda: dst.copy_(src), device, repeats)
 
 
-def cpu_jiffies():
-    """(busy jiffies of the whole machine, of this process), or None where /proc is missing (not Linux)."""
+def others_jiffies():
+    """Busy jiffies of the whole machine less this process's own, or None where /proc is missing (not Linux)."""
     try:
         fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]   # the "cpu" line
         own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()   # after the command name
-        return sum(fields) - fields[3] - fields[4], int(own[11]) + int(own[12])   # minus idle, iowait
+        return sum(fields) - fields[3] - fields[4] - int(own[11]) - int(own[12])   # less idle, iowait and ours
     except (OSError, IndexError, ValueError):
         return None
 
@@ -117,16 +117,15 @@ def run_clocks(model):
     """The clocks of a run, HF's and ours alike: timestamps of every forward pass (prefill, then one per decode
     step), and the cores that other processes kept busy, on average, during the block (its disturbance).
     On CUDA each stamp synchronises, which stalls the queue: bench_gpu.py times whole windows instead."""
-    stamps, others, before, start = [], [None], cpu_jiffies(), time.perf_counter()
+    stamps, others, before, start = [], [None], others_jiffies(), time.perf_counter()
     handle = model.register_forward_pre_hook(lambda *args: stamps.append(clock(model.device)))
     try:
         yield stamps, others
     finally:
         handle.remove()
-        after, seconds = cpu_jiffies(), time.perf_counter() - start
-        if before and after and seconds >= 1:   # shorter blocks are below the clock tick's resolution
-            ticks = os.sysconf("SC_CLK_TCK") * seconds   # the jiffies one core has in the block
-            others[0] = max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / ticks)
+        after, seconds = others_jiffies(), time.perf_counter() - start
+        if None not in (before, after) and seconds >= 1:   # shorter blocks are below the clock tick's resolution
+            others[0] = max(0.0, (after - before) / (os.sysconf("SC_CLK_TCK") * seconds))   # jiffies: cores x ticks
 
 
 @contextmanager
