@@ -125,7 +125,7 @@ def run_clocks(model):
         handle.remove()
         after, seconds = others_jiffies(), time.perf_counter() - start
         if None not in (before, after) and seconds >= 1:   # shorter blocks are below the clock tick's resolution
-            others[0] = max(0.0, (after - before) / (os.sysconf("SC_CLK_TCK") * seconds))   # jiffies: cores x ticks
+            others[0] = max(0.0, (after - before) / (os.sysconf("SC_CLK_TCK") * seconds))   # / one core's jiffies
 
 
 @contextmanager
@@ -188,9 +188,8 @@ def median_run(runs):
 # ----------------------------------------------------------------------------- the five measurements
 
 def throughput(model, ids, s):
-    """Section 1: `repeats` rounds (medians) after a short warm-up of each sampler; a round runs every sampler once,
-    back to back, so a disturbance hits all alike. Then the long rollout, dense and LONG_POLICY, `long_repeats`
-    rounds. -> ({sampler: median_run}, {the long ones: ...})."""
+    """Section 1: `repeats` rounds (medians) after a short warm-up; a round runs every sampler back to back, so a
+    disturbance hits all alike. Then the long rollout, dense and LONG_POLICY. -> two {name: median_run} dicts."""
 
     def rounds(what, names, new, repeats):
         done = []
