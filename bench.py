@@ -142,7 +142,6 @@ def eviction_clock():
             spent[0] += seconds
             return result
         return wrapper
-
     wrapped = {name: clocked(getattr(kvcache, name)) for name in ("compress", "page_plan", "top_pages")}
     with patch.multiple(kvcache, **wrapped), patch.object(kvcache.Layer, "remember", clocked(kvcache.Layer.remember)):
         yield spent   # patch puts each original back when the block ends
@@ -243,7 +242,6 @@ def overheads(model, ids, results, s, repeats=50):
         log_rho = logp_old[keep] - rollouts.logprobs[keep]
         mask, _ = C.rejection_mask(log_rho, rollouts.mask[keep])
         return keep, advantages, mask, C.importance_weights(log_rho, rollouts.mask[keep])
-
     times = [timed(correct, model.device)[0] for _ in range(repeats)]
     keep, advantages, mask, weights = correct()   # the same every time: the rewards are fixed
     learner = copy.deepcopy(model).train()   # the step changes weights; the measured model stays as it was
@@ -298,9 +296,8 @@ def report(s, results, long, scale, over, lim, wall, machine):
     B, new, dense, hf = s["batch"], s["new"], results["full"], results[HF]["tokens"]
     speed = {name: B * new / r["seconds"] for name, r in results.items()}
     long_speed = {name: B * s["long_new"] / r["seconds"] for name, r in long.items()}
-    record = dict(settings=dict(s), machine=machine, throughput={}, scaling=scale, overheads=over, limit=lim,
-                  wall_seconds=wall, long={})
-    rows, memory = [], []
+    rows, memory, record = [], [], dict(settings=dict(s), machine=machine, throughput={}, scaling=scale,
+                                        overheads=over, limit=lim, wall_seconds=wall, long={})
     for name, r in results.items():
         label, formula = name if name == HF else f"ours {name}", kv_formula(s, r["peak_kv_tokens"])
         kv = f"{r['peak_kv_bytes'] / dense['peak_kv_bytes']:.3f}"
