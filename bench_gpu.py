@@ -19,8 +19,7 @@ so no row runs a whole rollout. Instead:
 - A captured row (static.py, CUDA graphs) is timed the same way; its window pays for the graphs it captures.
 Every timing reads `sampler.clock(device)` (synchronised). Rows are written to --out as they complete, and rows
 not begun by `deadline` seconds as skipped (time budget: docs/performance.md, ~4 minutes); progress goes to
-stderr. Measurements, never assertions.
-"""
+stderr. Measurements, never assertions."""
 import gc
 import json
 import time
@@ -79,11 +78,6 @@ def qwen3_model(s, device):
     return model
 
 
-def weight_bytes(model):
-    """Bytes of every parameter, a tied matrix once: what each decode step reads at least once."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def reset_peak(device):
     """Forget the allocator's peak (CUDA only), after returning what the last run left cached."""
     if device.type == "cuda":
@@ -130,8 +124,7 @@ def window_run(model, s, sampler, prompt_len, steps, budget=None, batch=None, **
     """Decode `steps` greedy tokens after `prompt_len` random ones (`extra` goes to generate); time the last `window`.
 
     Returns dict: tokens_per_s (batch * window / synchronised seconds), step_s, peak_bytes (None on a CPU),
-    kv_tokens (the most the cache held), tokens [batch, steps].
-    """
+    kv_tokens (the most the cache held), tokens [batch, steps], run_seconds (the whole call's wall time)."""
     device, batch, wall = model.device, batch or s["batch"], time.perf_counter()
     ids = random_ids(s, batch, prompt_len, device)
     start = []
@@ -270,8 +263,7 @@ def table_2(s, report, record, device):
 def table_3(model, s, report, record):
     """Dense re-scoring (`correction.dense_logprobs`, topk=True as train.py calls it) of rescore_rows rows of
     rescore_tokens tokens (prompt + response), at each micro-batch: peak memory, or where it ran out."""
-    device, T = model.device, s["rescore_tokens"] - s["prompt"]
-    N, k = s["rescore_rows"], ALPHA_TOPK
+    device, N, T, k = model.device, s["rescore_rows"], s["rescore_tokens"] - s["prompt"], ALPHA_TOPK
     report.table(f"### 3. Dense re-scoring, {N} rows x {s['rescore_tokens']} tokens ({s['prompt']} prompt + {T} "
                  f"response), vocabulary {s['vocab']}",
                  ["micro-batch", "peak GPU", "logits of one micro-batch unchunked, fp32 (formula)", "seconds"])
@@ -425,7 +417,8 @@ def main(args):
     log(f"measuring copy bandwidth on {device}")
     record["bandwidth"] = bandwidth = copy_bandwidth(s["copy_mib"] * 2**20 // 4, device)
     model = qwen3_model(s, device)
-    record["weight_bytes"] = weights = weight_bytes(model)
+    # every parameter's bytes, a tied matrix once: what each decode step reads at least once
+    record["weight_bytes"] = weights = sum(p.numel() * p.element_size() for p in model.parameters())
     report.write(f"Machine: {machine}. Model: random Qwen3, {s['layers']} layers, {s['hidden']} wide, {s['heads']} heads"
                  f" / {s['kv_heads']} KV heads of {s['hidden'] // s['heads']}, vocabulary {s['vocab']}, tied embeddings,"
                  f" bf16: {size(weights)} of weights. Copy bandwidth (device to device, read + write): "
