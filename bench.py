@@ -55,6 +55,10 @@ HF = "HF generate"
 # The shape's names in the settings, and the Hugging Face config fields they stand for (Llama's and Qwen3's alike).
 HF_FIELDS = dict(layers="num_hidden_layers", hidden="hidden_size", heads="num_attention_heads",
                  kv_heads="num_key_value_heads", ffn="intermediate_size", vocab="vocab_size")
+# A ratio and a share as the tables print them ("1.25x", "12.5 %"); "-" where a number is missing (a skipped row).
+ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
+pct = lambda share: f"{100 * share:.1f} %"
+agreement = lambda a, b: f"{(a == b).float().mean().item():.3f}"   # the share of positions with the same token
 START = time.perf_counter()
 
 
@@ -286,11 +290,6 @@ def limit(s, dense, repeats=5):
 
 # ----------------------------------------------------------------------------- the report
 
-# A ratio and a share as the tables print them ("1.25x", "12.5 %"); "-" where a number is missing (a skipped row).
-ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
-pct = lambda share: f"{100 * share:.1f} %"
-
-
 def report(s, results, long, scale, over, lim, wall, machine):
     """Build the printed tables and the JSON record from the measurements."""
     B, new, dense, hf = s["batch"], s["new"], results["full"], results[HF]["tokens"]
@@ -303,7 +302,7 @@ def report(s, results, long, scale, over, lim, wall, machine):
         kv = f"{r['peak_kv_bytes'] / dense['peak_kv_bytes']:.3f}"
         rows.append([label, f"{speed[name]:.1f}", ratio(speed[name], speed[HF]), ratio(speed[name], speed["full"]), kv,
                      pct(r["evict_share"]) if name in SPARSE else "-",
-                     "-" if name == HF else f"{(r['tokens'] == hf).float().mean().item():.3f}"])
+                     "-" if name == HF else agreement(r["tokens"], hf)])
         memory.append([label, r["peak_kv_tokens"], f"{r['peak_kv_bytes'] / 2**20:.2f}", f"{formula / 2**20:.2f}",
                        "yes" if formula == r["peak_kv_bytes"] else "NO", kv])
         record["throughput"][name] = dict(

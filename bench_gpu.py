@@ -30,8 +30,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import bench
-from bench import (EVICTION, HF, HF_FIELDS, LONG_POLICY, copy_bandwidth, greedy, kv_formula, log, pct,
-                   random_ids, ratio, timed)
+from bench import (EVICTION, HF, HF_FIELDS, LONG_POLICY, agreement, copy_bandwidth, greedy, kv_formula, log,
+                   pct, random_ids, ratio, timed)
 from correction import ALPHA_TOPK, dense_logprobs
 from kvcache import KVCache, SparseConfig
 from policies import RESERVED_PAGES
@@ -231,7 +231,7 @@ def table_1(model, s, report, record, bandwidth, weights):
             continue
         rows[f"{label} {length}"] = r = measure_row(model, s, sampler, length, extra, bandwidth, weights)
         hf = rows.get(f"{HF} {length}", {}).get("tokens")
-        same = "-" if sampler == HF or hf is None else f"{(r['tokens'] == hf).float().mean().item():.3f}"
+        same = "-" if sampler == HF or hf is None else agreement(r["tokens"], hf)
         window = f"{r['steps'] - s['window']}-{r['steps']}"
         timed_what = (f"steps {window} from {s['prompt']} (holds {s['budget']}-{s['budget'] + s['interval']})"
                       if sampler in EVICTION else f"context {r['first']}-{r['first'] + s['window']}")
