@@ -151,7 +151,7 @@ def eviction_clock():
         yield spent   # patch puts each original back when the block ends
 
 
-def greedy(model, ids, sampler, new, budget=None, interval=None, **extra):
+def greedy(model, ids, sampler, new, budget, interval, **extra):
     """Exactly `new` greedy tokens after each row of `ids`, by Hugging Face `generate` (`sampler` HF) or by our
     sampler with that policy -> (tokens, peak KV tokens, peak KV bytes, our Rollouts or None for HF)."""
     if sampler != HF:
