@@ -165,7 +165,8 @@ def parse_args(argv=None):
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU; "
                    "cuda with --model smollm2-135m (no --data): the one-GPU preset (cli.GPU)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch; none: 1 for the toy model "
-                   "(faster, and unhurt by a neighbour job), torch's default for a --model")
+                   "(two runs side by side then take 60 s each, not 274 s as at two threads), torch's default "
+                   "for a --model")
     g.add_argument("--dtype", default=d.get("dtype", "float32"), choices=list(DTYPES), help="precision of the "
                    "forward passes (smollm2-135m with --device cuda: bfloat16); bfloat16: under torch.autocast, the "
                    "weights and AdamW's state kept in fp32")

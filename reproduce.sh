@@ -8,7 +8,7 @@
 # Each run is one `python train.py` with the options below, in results/runs/<variant>-s<seed>, its output in
 # results/runs/<variant>-s<seed>.log. A run whose eval.jsonl already ends at the last step is skipped, so an
 # interrupted reproduce.sh picks up where it stopped (an unfinished run starts over). One thread per run makes
-# the numbers repeatable (the thread count changes float sums, hence samples) and lets two runs share a
+# the numbers repeatable (the thread count can change float sums, hence samples) and lets two runs share a
 # 2-core machine: `queue` keeps two running at a time. Every run of a task and seed starts from the same
 # warm-up and trains on the same prompts.
 set -euo pipefail
