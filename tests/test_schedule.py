@@ -138,6 +138,28 @@ def test_calibrate_for_block_topk_blames_the_failing_bin_itself(monkeypatch):
     assert schedule == piecewise([0, 128], [128, 256]) and [r["tail"] for r in rows] == [1.0, 1.0]
 
 
+def test_calibrate_raises_bin_0_when_it_is_to_blame_and_only_if_its_contexts_reach_budget_plus_interval(monkeypatch):
+    # Pins the blame in calibrate: bin 0 may be the culprit (a `- {None, 0}` would never raise it), and the
+    # sampler's interval decides whether a bin evicts (interval 1 in its place would blame bin 0 at interval 2 too).
+    # Stand-in `measure` as above, bins of 4, contexts 2-7: the token at 4 needs position 0, evicted at context 3
+    # by a budget of 2. Held constant, 2 fails bin 1 (q 0.05 of [0.5, 0.86, 0.86, 0.86]) and 8 holds: -> [2, 8].
+    D = {c: {4: 4}.get(c, 2) for c in range(2, 8)}
+
+    def fake_measure(model, prompts, sparse, max_new_tokens, **sampling):
+        budget = (lambda c: sparse.budget) if sparse.schedule is None else sparse.schedule
+        kept = [all(c2 - budget(c2) <= c - D[c] for c2 in range(c - D[c] + 1, c + 1)) for c in D]
+        return torch.tensor([[THRESHOLD if k else 0.5 for k in kept]], dtype=torch.float64), torch.tensor([list(D)])
+
+    monkeypatch.setattr(S, "measure", fake_measure)
+    run = lambda interval: calibrate(None, None, candidates=[2, 8], bin_size=4, max_new_tokens=6,
+                                     sparse=SparseConfig("streaming", budget=2, interval=interval, window=1, sink=0))
+    # interval 1: bin 1 (8 + 1 > 7) evicts nothing; bin 0 (2 + 1 <= 3) does: it is raised to 8, and both hold
+    assert run(1)[0] == piecewise([0, 4], [8, 8])
+    # interval 2: bin 0's contexts never reach 2 + 2, so no bin is to blame: calibrate stops, bin 1 below
+    schedule, rows = run(2)
+    assert schedule == piecewise([0, 4], [2, 8]) and rows[1]["tail"] < THRESHOLD
+
+
 def test_a_schedule_sets_the_budget_of_each_compression(model):
     schedule = piecewise([0, 24], [6, 12])
     out = generate(model, PROMPTS[-2:], SparseConfig(**{**vars(SPARSE), "schedule": schedule}),
