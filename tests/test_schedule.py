@@ -210,6 +210,20 @@ def test_a_failing_bin_raises_the_bin_whose_eviction_it_suffers():
     assert c.budgets == (20, 32, 110)                                    # contexts past the last bin count in it
 
 
+def test_controller_raises_a_blamed_bin_once_and_never_one_it_did_not_see():
+    # Pins update's blame set and its `seen`: two failing bins that blame the same bin raise it once (a list
+    # would raise 20 twice, to 45), and a bin with fewer than min_tokens tokens is no culprit (without `seen`,
+    # bin 1's single token at 50 >= 24 + 1 would make it the latest bin that evicts: 24 -> 36).
+    c = Controller(threshold=0.75, bin_size=32, bins=3, start=24, low=20, high=100, step=8, up=1.5, band=0.125,
+                   min_tokens=2)
+    c.schedule = piecewise([0, 32, 64], [20, 60, 80])  # bins 1 and 2 fail, evict nothing (61 > 50, 81 > 65): bin 0
+    c.update(torch.tensor([[1.0, 1.0, 0.5, 0.5, 0.5, 0.5]]), torch.tensor([[25, 30, 40, 50, 64, 65]]))
+    assert c.budgets == (30, 60, 80)                   # 20 * 1.5 once; bin 0 not lowered: later bins failed
+    c.schedule = piecewise([0, 32, 64], [20, 24, 80])  # bin 1 holds one token only: unseen; bin 2 fails -> bin 0
+    c.update(torch.tensor([[1.0, 1.0, 1.0, 0.5, 0.5]]), torch.tensor([[25, 30, 50, 64, 65]]))
+    assert c.budgets == (30, 30, 80)                   # bin 1 lifted by the running max only
+
+
 def test_controller_for_block_topk_raises_the_failing_bin_itself():
     # Block top-k, pages of 16, budget 128, bins of 128, interval 128. Bin 1 (contexts 128-255) fails at alpha 0.5:
     # its longest context, 255, has 16 pages, more than the 128 // 16 + 3 = 11 it attends, and nothing was
