@@ -326,6 +326,15 @@ def test_cost_matches_a_hand_computation():
     assert cost(CONFIG, 100, budget=22, page_size=4) == cost(CONFIG, 100, budget=20, page_size=4)
 
 
+def test_cost_of_more_dense_layers_than_layers_and_the_bytes_of_two_paged_layers():
+    # Pins cost's `sparse` count: dense_layers past L leaves every layer dense (L - dense_layers < 0 would count
+    # minus three sparse layers), and the mean keys' bytes are read by each sparse layer (not once per step).
+    assert cost(CONFIG, 100, budget=20, page_size=4, dense_layers=5) == cost(CONFIG, 100, None)
+    # 102 tokens, both layers paged: each reads (5 + 3) pages of 4 = 32 tokens and 26 mean keys (kv_heads 1, dim 4)
+    c = cost(CONFIG, context=102, budget=20, page_size=4, bytes_per=2, intensity=10)
+    assert c["bytes"] == 2 * (1232 + 2 * 1 * 4 * (32 + 32)) + 2 * 2 * 1 * 4 * 26   # 3904
+
+
 def test_shape_counts_the_matmul_parameters_of_qwen3_and_fills_missing_fields():
     # keras-hub's presets give Qwen3-1.7B 1,720,574,976 parameters and Qwen3-4B 4,022,468,096 (tied embeddings: the
     # lm head is the embedding). Less the RMSNorm weights (per layer two of hidden size and the q and k norms of
