@@ -459,6 +459,27 @@ def test_speedup_of_a_long_schedule_at_a_short_context_leaves_out_the_stretched_
     assert "as calibrated" in out and "stretched" not in out and "constant budget 8192" in out
 
 
+@pytest.mark.parametrize("argv, pages", [([], dict(page_size=16, dense_layers=2)),   # Sparrow's, as --help says
+                                         (["--page-size", "8", "--dense-layers", "0"], dict(page_size=8, dense_layers=0))])
+def test_speedup_for_block_topk_prices_sparrows_pages_unless_flags_say_otherwise(tmp_path, monkeypatch, argv, pages):
+    # Pins print_speedup's blocktopk defaults: pages of 16 and 2 dense layers with no flag, and an explicit
+    # --dense-layers 0 kept (an `or` default would turn it into 2); another policy prices no pages at all.
+    piecewise([0, 16], [8, 12]).save(tmp_path / "s.json")
+    calls = []
+    monkeypatch.setattr(S, "speedup", lambda *a, **k: calls.append(k) or 1.0)
+    S.main(["--speedup", str(tmp_path / "s.json"), "--policy", "blocktopk", *argv])
+    assert calls and all(k == dict(batch=64, **pages) for k in calls)
+    calls.clear()
+    S.main(["--speedup", str(tmp_path / "s.json"), "--policy", "snapkv", *argv])
+    assert calls and all(k == dict(batch=64) for k in calls)
+
+
+def test_calibrate_writes_out_schedule_json_by_default(tmp_path):
+    # Pins --out's default: out/, not the committed results/schedule.json that a bare --calibrate overwrote
+    piecewise([0], [8]).save(tmp_path / "s.json")
+    assert S.parse_args(["--speedup", str(tmp_path / "s.json")])[0].out == "out/schedule.json"
+
+
 # 7. the lab's edge cases (LAB.md): each test fails on a mistake a student could make writing tail_by_bin
 
 def test_tail_by_bin_has_one_bin_per_bin_up_to_the_last_real_token():
