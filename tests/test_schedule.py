@@ -420,6 +420,24 @@ def test_calibration_refuses_a_response_past_the_models_positions_before_samplin
                      "model's 128 positions", capsys.readouterr().err)
 
 
+def test_calibration_checks_the_positions_against_its_longest_prompt(tmp_path, capsys, monkeypatch):
+    # Pins print_calibration's check on the longest prompt it samples (the shortest would let a response run
+    # past the toy's 128 positions): with the longest found by brute force over those prompts, 129 - longest
+    # new tokens are refused, 128 - longest reach calibrate
+    import tasks
+    from tasks import char_tokenizer
+    toy_warm_up(tmp_path)
+    tok = char_tokenizer()
+    longest = max(len(tasks.encode_prompt(tok, e["prompt"])) for e in tasks.make_examples("pick", 8, 0, 3, 4))
+    argv = ["--calibrate", "--model", str(tmp_path), "--prompts", "8", "--out", str(tmp_path / "s.json")]
+    monkeypatch.setattr(S, "calibrate", lambda *a, **k: pytest.fail("calibrated"))
+    with pytest.raises(SystemExit):
+        S.main(argv + ["--max-new-tokens", str(129 - longest)])
+    assert f"the longest prompt ({longest} tokens)" in capsys.readouterr().err
+    with pytest.raises(pytest.fail.Exception, match="calibrated"):      # past the check, at calibrate
+        S.main(argv + ["--max-new-tokens", str(128 - longest)])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--candidates", "6,x"], "--candidates must be comma-separated integers, got '6,x'"),
     (["--threshold", "1.5"], "--threshold must lie in \\[0, 1\\], got 1.5"),
@@ -460,7 +478,8 @@ def test_speedup_of_a_long_schedule_at_a_short_context_leaves_out_the_stretched_
 
 
 @pytest.mark.parametrize("argv, pages", [([], dict(page_size=16, dense_layers=2)),   # Sparrow's, as --help says
-                                         (["--page-size", "8", "--dense-layers", "0"], dict(page_size=8, dense_layers=0))])
+                                         (["--page-size", "8", "--dense-layers", "0"], dict(page_size=8,
+                                                                                          dense_layers=0))])
 def test_speedup_for_block_topk_prices_sparrows_pages_unless_flags_say_otherwise(tmp_path, monkeypatch, argv, pages):
     # Pins print_speedup's blocktopk defaults: pages of 16 and 2 dense layers with no flag, and an explicit
     # --dense-layers 0 kept (an `or` default would turn it into 2); another policy prices no pages at all.
