@@ -191,6 +191,15 @@ def test_a_generation_may_fill_the_models_positions_exactly():
     assert torch.equal(out.tokens, hf_greedy(model, prompts, 12))
 
 
+def test_a_model_without_max_position_embeddings_is_not_limited():
+    # Pins check_length's `positions is not None`: a config that names no position limit (no such field) refuses
+    # nothing; without that guard, `longest + new > None` would raise a TypeError for every generation
+    from types import SimpleNamespace
+    sampler.check_length(3, 10 ** 9, SimpleNamespace())
+    with pytest.raises(ValueError, match="so at most 13"):
+        sampler.check_length(3, 14, SimpleNamespace(max_position_embeddings=16))
+
+
 def test_the_first_and_last_token_ids_are_accepted():
     # 0 and vocab_size - 1 are prompt tokens like any other (the refusals above start just outside them)
     model = tiny_model("llama")
