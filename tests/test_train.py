@@ -128,6 +128,15 @@ def test_bad_input_is_one_clear_line_before_training(tmp_path, argv, message):
     assert not (tmp_path / "run" / "warmup").exists()                 # nothing was trained
 
 
+def test_a_cached_warm_up_still_refuses_a_response_past_the_positions(tmp_path, warm):
+    # Pins main's check_length after loading: with the warm-up cached, load_model's own check never runs, so
+    # without main's the run would reach the sampler and end in its ValueError traceback, not one line
+    shutil.copytree(warm, tmp_path / "warmup")
+    with pytest.raises(SystemExit, match="^error: max_new_tokens 200: the longest prompt .* so at most "):
+        train.main(SMALL + ["--out", str(tmp_path), "--max-new-tokens", "200"])
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize("name, text, message", [
     ("bad.jsonl", '{"question": "1+1?", "answer": "#### 2"}\n{"question": oops}\n', "bad.jsonl.*line 2"),
     ("small.jsonl", "".join('{"question": "1+%d?", "answer": "#### %d"}\n' % (i, i + 1) for i in range(10)),
