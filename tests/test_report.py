@@ -276,6 +276,23 @@ def test_a_repeated_step_keeps_its_last_line(tmp_path):
     assert evals == [dict(step=0, dense=.5, sparse=.5), dict(step=2, dense=.7, sparse=.1)]
 
 
+@pytest.mark.parametrize("text, message", [
+    ('{"step": 1}\n{"step": 2, oops\n{"step": 3, "rew', "metrics.jsonl is not JSON lines"),   # bad before the last
+    ("\n  \n", "metrics.jsonl is empty"),                                                    # blank lines only
+    ('{"step": 1}\n5\n{"reward": 1}\n', 'metrics.jsonl line 2 has no "step"'),            # the first stepless one
+])
+def test_read_run_forgives_a_half_written_last_line_only(tmp_path, text, message):
+    # Pins read_run's rules: only the last line may fail to parse (a killed run's), a file of blank lines is empty,
+    # a line that is not an object counts as stepless, and the first stepless line is named; blank lines between
+    # records are skipped. Forgiving the line before the last too, or any bad line, or none, fails this.
+    folder = write_run(tmp_path / "r-s0", [], [(0, .5, .5)])
+    (tmp_path / "r-s0" / "metrics.jsonl").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        report.read_run(folder)
+    (tmp_path / "r-s0" / "metrics.jsonl").write_text('{"step": 1}\n\n   \n{"step": 2}\n{"step": 3, "re')
+    assert [m["step"] for m in report.read_run(folder)[0]] == [1, 2]
+
+
 def test_steps_is_the_mean_over_seeds_of_each_last_evaluation(tmp_path):
     # one seed cut short by a time limit at step 2, the other reached step 5: (2 + 5) / 2 = 3.5, not the max 5
     steps = [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in (1, 2)]
