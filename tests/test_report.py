@@ -180,6 +180,26 @@ def test_inference_and_keeps_refuse_bad_flags_before_loading(tmp_path, monkeypat
         report.main(argv + ["--model", str(tmp_path)] + where)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--interval", "0", "--batch-size", "-1"], "--interval must be >= 1, got 0$"),    # the first bad one, in order
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0$"),
+    (["--max-new-tokens", "-2", "--limit", "0"], "--limit must be >= 1, got 0$"),
+])
+def test_inference_names_its_first_bad_count_before_loading(tmp_path, monkeypatch, flags, message):
+    # Pins inference's `bad` check: each of the four counts is checked, and the message names the first bad one
+    # (limit, max_new_tokens, interval, batch_size) with its value; bad[-1] or a dropped name fails here
+    (tmp_path / "q.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit, match=f"^error: {message}"):
+        report.main(["inference", "--data", str(tmp_path / "q.jsonl"), *flags])
+
+
+def test_robust_budgets_name_the_first_bad_budget(runs, tmp_path):
+    # Pins runs' `bad` check: the first budget below 1 is named (bad[-1] would say -3)
+    with pytest.raises(SystemExit, match="^error: --robust-budgets must be >= 1, got 0$"):
+        report.main(["runs", *runs, "--robust-budgets", "8", "0", "-3", "--out", str(tmp_path / "r")])
+
+
 def test_robust_budgets_reproduce_the_runs_own_final_evaluations(tmp_path, capsys):
     # A 1-step run (60 warm-up steps: dense 0.438, sparse 0.344 here; 4 s). At its training budget (SnapKV 10) the
     # final model must score what train.py's own final sparse evaluation wrote; at 64, more than any context here,
