@@ -116,6 +116,18 @@ def test_reaching_the_baseline_counts_evaluations_after_step_0_only():
     assert report.reach_rows(groups) == (0.7, 0.9, [("base", 2, 2.0, 1.0), ("other", 1, 1.0, 2.0)])
 
 
+def test_reaching_a_best_of_0_or_a_best_a_float_rounding_above_the_variants_mean():
+    # Pins reach_rows' edges: a baseline whose best after step 0 is 0.0 still gets its table (`if not best` would
+    # drop it), and a variant at 0.15 reaches the mean of 0.1 and 0.2, 0.15000000000000002 (the 1e-9 tolerance)
+    steps = [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in (1, 2)]
+    evals = lambda *dense: [dict(step=s, dense=d, sparse=d) for s, d in enumerate(dense)]
+    zero = {"base": [(steps, evals(0.5, 0.0, 0.0))], "other": [(steps, evals(0.5, 0.0, 0.0))]}
+    assert report.reach_rows(zero) == (0.0, 0.5, [("base", 1, 1.0, 1.0), ("other", 1, 1.0, 1.0)])
+    seeds = {"base": [(steps, evals(0.0, 0.0, 0.1)), (steps, evals(0.0, 0.0, 0.2))],
+             "other": [(steps, evals(0.0, 0.15))]}
+    assert report.reach_rows(seeds)[2] == [("base", 2, 2.0, 1.0), ("other", 1, 1.0, 2.0)]
+
+
 def test_running_mean_and_variant_names():
     assert report.running_mean([1, 2, 3, 4], k=2).tolist() == [1.0, 1.5, 2.5, 3.5]
     assert report.variant_of("results/runs/sparse-rl-s12/") == "sparse-rl" and report.variant_of("out") == "out"
