@@ -128,6 +128,18 @@ def test_reaching_a_best_of_0_or_a_best_a_float_rounding_above_the_variants_mean
     assert report.reach_rows(seeds)[2] == [("base", 2, 2.0, 1.0), ("other", 1, 1.0, 2.0)]
 
 
+def test_per_step_columns_average_each_seed_over_its_own_steps_first(tmp_path):
+    # Pins comparison_rows' per_step (mean over steps, then over seeds): a seed of 1 step at 4 s and one of
+    # 3 steps at 1 s give s/step (4 + 1) / 2 = 2.50, and peak KV (0.9 + 0.1) / 2 = 50.0 %; pooling the four
+    # steps would give 1.75 and 30.0 %
+    one = [line(1, 100, 0, 0, 90, 100, (4, 0, 0), [1.0])]
+    three = [line(s, 100, 0, 0, 10, 100, (1, 0, 0), [1.0]) for s in (1, 2, 3)]
+    groups = {"v": [report.read_run(write_run(tmp_path / f"v-s{i}", m, [(0, .5, .5), (3, .6, .6)]))
+                    for i, m in enumerate((one, three))]}
+    row = report.comparison_rows(groups)[0]
+    assert row[9] == "50.0%" and row[13] == "2.50"
+
+
 def test_running_mean_and_variant_names():
     assert report.running_mean([1, 2, 3, 4], k=2).tolist() == [1.0, 1.5, 2.5, 3.5]
     assert report.variant_of("results/runs/sparse-rl-s12/") == "sparse-rl" and report.variant_of("out") == "out"
