@@ -352,6 +352,11 @@ def test_the_mean_curve_averages_the_steps_every_seed_logged():
     assert report.mean_curve(seeds, "dense") == [(0, pytest.approx(.4)), (2, pytest.approx(.7))]
 
 
+def test_keeps_draws_to_out_by_default():
+    # Pins keeps' default --out: out/keeps.png, not the committed results/keeps.png a bare run overwrote
+    assert report.parse_args(["keeps"]).out == "out/keeps.png"
+
+
 def test_keeps_takes_train_s_held_out_prompts_and_the_shares_of_the_last_step(tmp_path, monkeypatch, capsys):
     # no model: the held-out examples and the kept fractions are stubbed. Prompt "Pabc123de=" (+ BOS at 0):
     # digits at positions 5-7 are needed, the lower-case letters 2-4, 8, 9 distractors.
