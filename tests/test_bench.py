@@ -348,3 +348,34 @@ def test_the_limit_counts_flops_and_bytes_by_hand(monkeypatch):
     # bytes: 2 passes (prefill, one decode step) each read 160 weights x 4 bytes; KV of contexts 3 and 4 at
     # 2 (K, V) x 1 KV head x 2 dims x 4 bytes x batch 2 = 32 bytes a token
     assert lim["decode_bytes_per_s"] == (2 * 160 * 4 + (3 + 4) * 32) / 2.0
+
+
+# ----------------------------------------------------------------------------- the clocks, on counted ticks
+
+def test_run_counts_every_choosing_call_and_stamps_every_pass(monkeypatch):
+    # Pins run and eviction_clock on a clock that ticks once a read: each choosing call (compress, and
+    # Layer.remember, patched by patch.object) takes one tick and they add up (`=` for `+=` or an unpatched
+    # remember fails); a run's seconds are its 20 passes' stamps, 2 reads per choosing call and its end; the
+    # stamps end with that end; HF chooses nothing (evict_seconds and stamps None) and its prefill is one tick
+    ticks, calls = iter(range(10 ** 6)), []
+    monkeypatch.setattr(bench, "clock", lambda device: float(next(ticks)))
+    for owner, name in ((kvcache, "compress"), (kvcache.Layer, "remember")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _real=real, **k: (calls.append(1), _real(*a, **k))[1])
+    s = dict(bench.QUICK)
+    model, ids = bench.build_model(s), bench.random_ids(s, 2, s["prompt"])
+    r = bench.run(model, ids, "snapkv", 20, s)
+    assert len(calls) > 20 and r["evict_seconds"] == len(calls)
+    assert r["seconds"] == 20 + 2 * len(calls) + 1 and len(r["stamps"]) == 21
+    assert r["stamps"][-1] - r["stamps"][0] == r["seconds"] - 1        # the start is the read before the first stamp
+    hf = bench.run(model, ids, bench.HF, 20, s)
+    assert (hf["evict_seconds"], hf["stamps"], hf["prefill"], hf["seconds"]) == (None, None, 1.0, 21.0)
+
+
+def test_run_and_greedy_pass_their_interval_and_extra_arguments_on():
+    # Pins run's `interval or s["interval"]` (the interval-1 overhead rows; else the peak would be 16 + 8) and
+    # greedy's **extra (bench_gpu's captured rows): record=True must reach generate, whose Rollouts keep the cache
+    s = dict(bench.QUICK)
+    model, ids = bench.build_model(s), bench.random_ids(s, 2, s["prompt"])
+    assert bench.run(model, ids, "snapkv", 20, s, interval=1)["peak_kv_tokens"] == s["budget"] + 1
+    assert "cache" in bench.greedy(model, ids, "full", 4, s["budget"], s["interval"], record=True)[3].stats
