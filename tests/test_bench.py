@@ -379,3 +379,34 @@ def test_run_and_greedy_pass_their_interval_and_extra_arguments_on():
     model, ids = bench.build_model(s), bench.random_ids(s, 2, s["prompt"])
     assert bench.run(model, ids, "snapkv", 20, s, interval=1)["peak_kv_tokens"] == s["budget"] + 1
     assert "cache" in bench.greedy(model, ids, "full", 4, s["budget"], s["interval"], record=True)[3].stats
+
+
+def test_others_jiffies_reads_the_machines_busy_jiffies_less_this_process(monkeypatch):
+    # Pins others_jiffies on a fake /proc: the first ("cpu") line, less idle (1000) and iowait (20), less our
+    # utime (30) and stime (12), fields 14 and 15 after a command name that holds ")": 1180 - 1020 - 42 = 118
+    texts = {"/proc/stat": "cpu  100 5 50 1000 20 3 2 0 0 0\ncpu0 1 1 1 1 1 1 1 1 1 1\n",
+             "/proc/self/stat": "42 (a) b) R 1 2 3 4 5 6 7 8 9 10 30 12 99 99 20 0\n"}
+    def read_text(self):
+        if not texts:
+            raise FileNotFoundError(self.path)                          # not Linux: no /proc
+        return texts[self.path]
+    monkeypatch.setattr(bench, "Path", lambda path: type("P", (), dict(path=path, read_text=read_text))())
+    assert bench.others_jiffies() == 118
+    texts.clear()
+    assert bench.others_jiffies() is None
+
+
+@pytest.mark.parametrize("jiffies, seconds, load", [((1000, 1300), 2.0, "300 / tick / 2"), ((1000, 900), 2.0, 0.0),
+                                                    ((1000, 1300), 0.5, None), ((None, 1300), 2.0, None)])
+def test_run_clocks_disturbance_is_other_processes_cores_over_the_block(monkeypatch, jiffies, seconds, load):
+    # Pins run_clocks: (after - before) / (clock ticks a second x seconds), the cores others kept busy; never below
+    # 0; None for a block under 1 s (below the tick's resolution) or without /proc
+    reads, times = iter(jiffies), iter([0.0, seconds])
+    monkeypatch.setattr(bench, "others_jiffies", lambda: next(reads))
+    monkeypatch.setattr(bench, "time", type("T", (), dict(perf_counter=staticmethod(lambda: next(times)))))
+    model = type("M", (), dict(device="cpu", register_forward_pre_hook=lambda self, fn: type(
+        "H", (), dict(remove=lambda self: None))()))()
+    with bench.run_clocks(model) as (_, others):
+        pass
+    expected = 300 / bench.os.sysconf("SC_CLK_TCK") / 2 if load == "300 / tick / 2" else load
+    assert others[0] == expected
