@@ -410,3 +410,17 @@ def test_run_clocks_disturbance_is_other_processes_cores_over_the_block(monkeypa
         pass
     expected = 300 / bench.os.sysconf("SC_CLK_TCK") / 2 if load == "300 / tick / 2" else load
     assert others[0] == expected
+
+
+def test_copy_bandwidth_and_the_limit_count_their_work_on_one_tick_timings(monkeypatch):
+    # Pins copy_bandwidth (read + write: 2 x 4 bytes per fp32 value) and limit's rates: on a clock that ticks
+    # once a read every timing is 1 s, so a rate is its work: mm 2 x 8^3 FLOPs (n = s["mm"]), a copy of 32 x 8 x 8
+    # values; both at the given 3 repeats (2 reads each), not copy_bandwidth's default 5
+    ticks = iter(range(10 ** 6))
+    monkeypatch.setattr(bench, "clock", lambda device="cpu": float(next(ticks)))
+    assert bench.copy_bandwidth(1000, repeats=2) == 8000.0
+    s = dict(layers=1, hidden=4, heads=2, kv_heads=1, ffn=6, vocab=10, batch=2, prompt=3, new=2, mm=8)
+    start = next(ticks)
+    lim = bench.limit(s, dict(seconds=2.0), repeats=3)
+    assert lim["mm_flops"] == 2 * 8 ** 3 and lim["copy_bytes_per_s"] == 2 * 4 * 32 * 8 * 8
+    assert next(ticks) - start - 1 == 2 * 3 * 2
