@@ -424,3 +424,18 @@ def test_copy_bandwidth_and_the_limit_count_their_work_on_one_tick_timings(monke
     lim = bench.limit(s, dict(seconds=2.0), repeats=3)
     assert lim["mm_flops"] == 2 * 8 ** 3 and lim["copy_bytes_per_s"] == 2 * 4 * 32 * 8 * 8
     assert next(ticks) - start - 1 == 2 * 3 * 2
+
+
+def test_overheads_time_snapkv_and_rkv_at_interval_1_on_a_quarter_of_the_tokens(monkeypatch):
+    # Pins overheads' interval-1 rows: run at interval 1 with new // 4 tokens, each a share of decode time without
+    # the prefill (median_run's evict_share): 4 s of choosing in 10 s with 2 s of prefill is 0.5, not 0.4
+    s = dict(bench.QUICK)
+    model, ids = bench.build_model(s), bench.random_ids(s, s["batch"], s["prompt"])
+    results = {name: bench.median_run([bench.run(model, ids, name, s["new"], s)])
+               for name in ("full", bench.LONG_POLICY)}
+    calls = []
+    monkeypatch.setattr(bench, "run", lambda model, ids, name, new, s, interval=None: (
+        calls.append((name, new, interval)), fake_run(10.0, 2.0, 4.0))[1])
+    over = bench.overheads(model, ids, results, s, repeats=1)
+    assert calls == [("snapkv", s["new"] // 4, 1), ("rkv", s["new"] // 4, 1)]
+    assert over["interval_1"] == {"snapkv": 0.5, "rkv": 0.5}
