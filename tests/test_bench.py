@@ -439,3 +439,9 @@ def test_overheads_time_snapkv_and_rkv_at_interval_1_on_a_quarter_of_the_tokens(
     over = bench.overheads(model, ids, results, s, repeats=1)
     assert calls == [("snapkv", s["new"] // 4, 1), ("rkv", s["new"] // 4, 1)]
     assert over["interval_1"] == {"snapkv": 0.5, "rkv": 0.5}
+
+
+def test_ratio_is_a_dash_where_a_number_is_missing():
+    # Pins ratio's "-" for a missing side (a skipped row's None or 0 speed), not "0.00x" or a TypeError
+    assert [bench.ratio(3.0, 2.0), bench.ratio(None, 2.0), bench.ratio(0.0, 2.0), bench.ratio(3.0, None)] == \
+        ["1.50x", "-", "-", "-"]
