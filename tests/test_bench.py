@@ -445,3 +445,15 @@ def test_ratio_is_a_dash_where_a_number_is_missing():
     # Pins ratio's "-" for a missing side (a skipped row's None or 0 speed), not "0.00x" or a TypeError
     assert [bench.ratio(3.0, 2.0), bench.ratio(None, 2.0), bench.ratio(0.0, 2.0), bench.ratio(3.0, None)] == \
         ["1.50x", "-", "-", "-"]
+
+
+def test_the_targets_are_counted_by_hand_and_recorded():
+    # Pins report's targets: full 8/s over HF 4/s; the slowest eviction (all 16/s: streaming, the first) over full
+    # 8/s; the long snapkv 16/s over the long full 4/s; choosing 50 %; correction 1 ms of a 1 s step = 0.1 %;
+    # the record's targets hold the printed cells (a ratio swapped or another denominator fails)
+    text, record = fake_report()
+    measured = list(record["targets"].values())
+    assert measured[0] == "2.00x, tokens equal: False" and measured[1] == "2.00x" and measured[3:] == [
+        "4.00x", "50.0 %", "0.1000 %"]
+    assert "(slowest: streaming)" in list(record["targets"])[1]
+    assert all(f"| {target} | {cell} |" in text for target, cell in record["targets"].items())
