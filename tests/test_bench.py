@@ -153,6 +153,22 @@ def test_gpu_bench_kv_columns_equal_the_formula_by_hand(gpu_quick):
         assert rows[f"ours {name} any"]["kv_tokens"] == 40 and rows[f"ours {name} any"]["rollout_kv_bytes"] == per_token * 40
 
 
+def test_gpu_bench_weights_json_targets_and_cells_by_hand(gpu_quick):
+    # Pins bench_gpu's record and cells: weights at bf16's 2 bytes a parameter (4 would be fp32's), no token tensor
+    # left in the JSON's rows or batch rows, the 8 targets written as rows of their table, tokens = HF 1.000 for
+    # our dense rows (greedy on the same weights), and table 4's bandwidth share as a percentage, not "-"
+    record, text, saved = gpu_quick
+    model = bench_gpu.qwen3_model(bench_gpu.TINY, torch.device("cpu"))
+    assert record["weight_bytes"] == 2 * sum(p.numel() for p in model.parameters())
+    assert all("tokens" not in row for group in ("rows", "batch") for row in saved[group].values())
+    targets = text.split("### Targets")[1]
+    assert len(record["targets"]) == 8 and all(f"| {t} | {m} |" in targets for t, m in record["targets"].items())
+    table_1, table_4 = (text.split(a)[1].split(b)[0].splitlines() for a, b in (("### 1.", "### 2."), ("### 4.", "###")))
+    dense = [row for row in table_1 if row.startswith("| ours full |")]
+    assert len(dense) == 2 and all(row.endswith("| 1.000 |") for row in dense)
+    assert [row.endswith(" % |") for row in table_4 if row.startswith("| ours")] == [True, True]
+
+
 def test_the_timed_window_counts_the_steps_a_graph_replays(monkeypatch):
     # a CUDA graph replays a step without calling the model: a capture that replays the first static step's
     # output stands in for it here. The window's clock must still start before pass 10, not at the model's 10th call
