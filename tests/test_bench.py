@@ -169,6 +169,18 @@ def test_gpu_bench_weights_json_targets_and_cells_by_hand(gpu_quick):
     assert [row.endswith(" % |") for row in table_4 if row.startswith("| ours")] == [True, True]
 
 
+def test_gpu_bench_copies_copy_mib_and_runs_its_captured_rows_captured(tmp_path, monkeypatch):
+    # Pins bench_gpu.main's bandwidth buffer (copy_mib MiB of 4-byte values) and window_run / measure_row passing
+    # **extra on: the 6 captured rows of table 1 reach generate with captured=True (else they time eager decoding)
+    copies, captured = [], []
+    monkeypatch.setattr(bench_gpu, "copy_bandwidth", lambda values, device: copies.append(values) or 1e10)
+    real = bench.generate
+    monkeypatch.setattr(bench, "generate", lambda *a, **k: (captured.append(k.get("captured")), real(*a, **k))[1])
+    bench.main(["--gpu", "--quick", "--out", str(tmp_path / "g.md")])
+    assert copies == [bench_gpu.TINY["copy_mib"] * 2**20 // 4]
+    assert captured.count(True) == sum(extra == bench_gpu.CAPTURED for _, _, extra in bench_gpu.ROWS) == 6
+
+
 def test_the_timed_window_counts_the_steps_a_graph_replays(monkeypatch):
     # a CUDA graph replays a step without calling the model: a capture that replays the first static step's
     # output stands in for it here. The window's clock must still start before pass 10, not at the model's 10th call
