@@ -178,3 +178,18 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos(tmp_path):
     assert AutoTokenizer.from_pretrained(tmp_path).pad_token is None          # the folder has none
     _, loaded = models.load_pretrained(str(tmp_path))
     assert loaded.pad_token == "<eos>" and loaded.pad_token_id == loaded.eos_token_id == 2
+
+
+def test_set_aside_moves_a_run_to_the_next_free_previous_folder(tmp_path):
+    # Pins set_aside: checkpoints and both logs move to previous-N, N one past the highest numbered one (a
+    # previous-x is no number, not a crash), and nothing else moves (the warm-up stays)
+    for folder in ("step-000002", "step-000004", "previous-1", "previous-12", "previous-x", "warmup"):
+        (tmp_path / folder).mkdir()
+    for log in ("metrics.jsonl", "eval.jsonl"):
+        (tmp_path / log).write_text("{}\n")
+    assert models.set_aside(tmp_path) == tmp_path / "previous-13"
+    moved = sorted(p.name for p in (tmp_path / "previous-13").iterdir())
+    assert moved == ["eval.jsonl", "metrics.jsonl", "step-000002", "step-000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["previous-1", "previous-12", "previous-13",
+                                                          "previous-x", "warmup"]
+    assert models.set_aside(tmp_path) == tmp_path / "previous-14" and not any((tmp_path / "previous-14").iterdir())
