@@ -193,3 +193,15 @@ def test_set_aside_moves_a_run_to_the_next_free_previous_folder(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["previous-1", "previous-12", "previous-13",
                                                           "previous-x", "warmup"]
     assert models.set_aside(tmp_path) == tmp_path / "previous-14" and not any((tmp_path / "previous-14").iterdir())
+
+
+def test_the_gguf_de_quantising_line_goes_to_stderr(tmp_path, monkeypatch, capsys):
+    # Pins the line's stream: stdout is a command's table (`report.py inference > results/X.md`); the load is
+    # stopped right after the line, at the tokenizer
+    (tmp_path / "m.gguf").write_bytes(b"")
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: True)   # gguf, accelerate: as if installed
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("stop here"))
+    with pytest.raises(pytest.fail.Exception, match="stop here"):
+        models.pretrained_folder(str(tmp_path / "m.gguf"), cache_dir=tmp_path / "cache")
+    out, err = capsys.readouterr()
+    assert out == "" and "de-quantising" in err and "m.gguf once into" in err
