@@ -18,7 +18,7 @@ matplotlib, three plots (`plot`). --robust-budgets B ...: each run's final model
 greedily through the run's cache at budget B (SnapKV for a dense run): Sparse-RL's claim that a model trained on
 sparse rollouts holds up better under sparse inference. gpu_smollm2.sh reads its SmolLM2 runs the same way.
 
-`keeps`: which positions of one toy rollout each policy keeps, step by step (results/keeps.png and keeps.md).
+`keeps`: which positions of one toy rollout each policy keeps, step by step (a PNG, --out; the table on stdout).
 """
 import argparse
 import json
