@@ -235,9 +235,9 @@ def update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, 
 # ----------------------------------------------------------------------------- the run
 
 def threads(args):
-    """CPU threads for torch: --threads, else one for the toy model, whose small ops gain little from a second
-    thread (the quick start: 51 s on one, 36 s on two, alone on 2 cores) and lose much beside another run (two
-    runs side by side: 60 s each on one thread, 274 s each on two), and torch's own for a real model."""
+    """CPU threads for torch: --threads, else one for the toy model, since a second thread helps it alone (the
+    quick start: 51 s on one, 36 s on two, on 2 idle cores) but costs far more beside another run (two runs side
+    by side: 60 s each on one thread, 274 s each on two); torch's own for a real model."""
     return args.threads or (1 if args.model is None else torch.get_num_threads())
 
 
