@@ -72,7 +72,22 @@ bench() {   # tables 1-4 and the targets; bench_gpu.py begins no row after its d
     stage bench_gpu.log 400 "$PY" bench.py --gpu "${BENCH[@]}" --out "$OUT/bench_gpu.md"
 }
 
+digest() {   # what each stage measured, last on the screen: the device tool's reply carries the output's end
+    local f
+    for f in "$OUT"/test_gpu.txt "$OUT"/train_gpu_*.txt "$OUT"/step_times.txt "$OUT"/bench_gpu.md; do
+        [ -f "$f" ] || continue
+        echo "== $(basename "$f")"
+        case $f in
+            *test_gpu.txt) grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -n 20 ;;
+            *train_gpu_*) grep -E "^\||^peak KV|^the correction|^training reward|^wall time|Error" "$f" ;;
+            *step_times.txt) tail -n 6 "$f" ;;
+            *bench_gpu.md) sed -n '/^### Targets/,$p' "$f" ;;
+        esac
+    done
+}
+
 machine
 for step in "$@"; do "$step"; done
+digest
 echo "$(date +%T) done: $(ls "$OUT" | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
 [ ${#FAILED[@]} = 0 ] || { echo "failed: ${FAILED[*]} (see each file in $OUT)" | tee -a "$OUT/summary.txt" >&2; exit 1; }

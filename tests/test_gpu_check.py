@@ -60,6 +60,12 @@ def test_each_stage_wrote_what_it_measures(calls):
         assert f"{policy:>10}: mean step" in steps
     record = json.loads((bench / "bench_gpu.json").read_text())
     assert record["targets"] and "### Targets" in (bench / "bench_gpu.md").read_text()
+    # the digest, last on the screen, which is what the device tool's reply shows
+    shown = calls["check"][0].stdout.split("\n== ")[1:]
+    assert [part.split("\n")[0] for part in shown] == ["test_gpu.txt", "train_gpu_bf16.txt", "train_gpu_fp32.txt",
+                                                        "step_times.txt"]
+    assert "| after RL  |" in shown[1] and "h2o: mean step" in shown[3]
+    assert calls["bench"][0].stdout.split("\n== ")[1].startswith("bench_gpu.md\n### Targets")
 
 
 def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
