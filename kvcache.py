@@ -141,13 +141,9 @@ class Layer:
     def append(self, key, value, pos):
         """Write q new tokens at the end: key, value [B, H_kv, q, D], pos [B, q]."""
         q = key.shape[2]
-        if self.size + q > self.k_buf.shape[2]:  # only if a caller runs past max_new_tokens
-            self.k_buf, self.v_buf, self.pos_buf, self.acc_buf = (
-                b if b is None else torch.cat([b, torch.full_like(b, -1 if b.dtype == torch.long else 0)], dim=2)
-                for b in (self.k_buf, self.v_buf, self.pos_buf, self.acc_buf))
-            if self.page_size:
-                self.page_sum = torch.cat([self.page_sum, torch.zeros_like(self.page_sum)], dim=2)
-                self.page_count = torch.cat([self.page_count, torch.zeros_like(self.page_count)], dim=1)
+        if self.size + q > self.k_buf.shape[2]:  # the buffers are sized once, for max_new_tokens decode steps
+            raise ValueError(f"{self.size} slots held + {q} new tokens do not fit the {self.k_buf.shape[2]} allocated "
+                             "for the cache's max_new_tokens: announce no more steps than it was made for")
         end = self.size + q
         self.k_buf[:, :, self.size:end] = key
         self.v_buf[:, :, self.size:end] = value

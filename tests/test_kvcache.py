@@ -398,6 +398,24 @@ def test_buffers_hold_what_the_cache_can_reach_before_compressing():
     assert [layer.k_buf.shape[2] for layer in out.stats["cache"].layers] == [14, 14]
 
 
+@pytest.mark.parametrize("policy", ["full", "blocktopk"])
+def test_a_step_past_max_new_tokens_is_refused_by_name(policy):
+    # the buffers are allocated once, for max_new_tokens decode steps (sampler.generate never runs past them);
+    # a caller who feeds one more is told so before anything is written
+    q, k, v, pos, P = random_steps(new_tokens=4)
+    cache = KVCache(SparseConfig(policy, budget=16, page_size=4, dense_layers=0), num_layers=1, max_new_tokens=3)
+    for cols in [slice(0, P)] + [slice(c, c + 1) for c in range(P, P + 4)]:
+        cache.start_step(pos[:, cols])
+        if cols.start == P + 3:
+            with pytest.raises(ValueError, match=rf"^{P + 3} slots held \+ 1 new tokens do not fit the {P + 3} "
+                                                 "allocated for the cache's max_new_tokens"):
+                cache.update(k[:, :, cols], v[:, :, cols], 0)
+            assert cache.layers[0].size == P + 3
+        else:
+            cache.update(k[:, :, cols], v[:, :, cols], 0)
+            cache.attend(0, q[:, :, cols], scaling=D ** -0.5)
+
+
 def test_defaults_are_the_official_settings_and_the_smallest_budget_is_allowed():
     # docs/method.md section 2 (Sparse-RL: budget 512, interval 128, window 8, 4 sinks, lam 0.1, kernel 7) and
     # section 3 (Sparrow: 16-token pages, the first 2 layers dense)
