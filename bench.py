@@ -386,11 +386,12 @@ def plot_scaling(scale, path):
 
 
 def cpu_name():
-    """The device the numbers belong to: the GPU if there is one, else the CPU model and core count."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    cpuinfo = Path("/proc/cpuinfo")   # Linux only
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    """The processor this bench runs on, a GPU beside it or not: its model (from Linux's /proc/cpuinfo; "CPU"
+    where that cannot be read) and core count."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
     name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "CPU")
     return f"{name} ({os.cpu_count()} cores)"
 

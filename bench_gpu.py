@@ -414,7 +414,7 @@ def main(args):
         raise SystemExit("bench.py --gpu: torch sees no GPU, and the 1.7B shape on a CPU takes hours (--quick: tiny)")
     out = Path(args.out or ("results/bench_gpu_quick.md" if args.quick else "results/bench_gpu.md"))   # quick: not the record
     report, record = Report(out), dict(settings=s, rows={}, shape={}, rescore={}, batch={})
-    machine = f"{bench.cpu_name()}, CUDA {torch.version.cuda}" if device.type == "cuda" else "CPU"
+    machine = f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}" if device.type == "cuda" else "CPU"
     machine += f", torch {torch.__version__}"
     log(f"measuring copy bandwidth on {device}")
     record["bandwidth"] = bandwidth = copy_bandwidth(s["copy_mib"] * 2**20 // 4, device)

@@ -2,7 +2,9 @@
 speeds differ between machines and runs; only the relations between reported numbers are checked."""
 import json
 import math
+import os
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -485,3 +487,18 @@ def test_the_targets_are_counted_by_hand_and_recorded():
         "4.00x", "50.0 %", "0.1000 %"]
     assert "(slowest: streaming)" in list(record["targets"])[1]
     assert all(f"| {target} | {cell} |" in text for target, cell in record["targets"].items())
+
+
+def test_the_cpu_bench_names_its_processor_not_a_gpu_beside_it(monkeypatch, tmp_path):
+    # bench.py (not --gpu) runs on the CPU even where CUDA is present: its label said the GPU's name there
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H100 80GB HBM3")
+    cores = f"({os.cpu_count()} cores)"
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13 64-Core Processor\n")
+    monkeypatch.setattr(bench, "Path", lambda path: fake if path == "/proc/cpuinfo" else Path(path))
+    assert bench.cpu_name() == f"AMD EPYC 7B13 64-Core Processor {cores}"
+    fake.write_text("processor\t: 0\n")                          # no model name: "CPU"
+    assert bench.cpu_name() == f"CPU {cores}"
+    fake.unlink()                                                 # not Linux, or unreadable: "CPU", not an error
+    assert bench.cpu_name() == f"CPU {cores}"
