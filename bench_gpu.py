@@ -48,7 +48,7 @@ GPU = dict(
     rescore_rows=32, rescore_tokens=4096, rescore_batches=(32, 8, 1),    # dense re-scoring, real vocabulary
     copy_mib=2048, deadline=300,        # bandwidth buffer; seconds after which rows not yet begun are skipped
     # (the whole bench took 260 s on an H100: the deadline bites on a slower card, and a row begun before it ends
-    # within ~60 s, so `bash gpu_check.sh bench` ends inside its 400 s limit with its JSON written)
+    # within ~60 s, so `bash gpu_check.sh bench` ends inside its ~365 s limit; past it, SIGINT still writes the JSON)
     shape=bench.FULL)                   # bench.py's own shape, for its HF-vs-dense pair
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=512, batch=4, prompt=32, new=64, long_new=128,
             budget=32, interval=8, warm=4, window=16, search_new=96, search_budget=48, search_cap=16, fit_steps=2,
@@ -425,13 +425,15 @@ def main(args):
                  f" / {s['kv_heads']} KV heads of {s['hidden'] // s['heads']}, vocabulary {s['vocab']}, tied embeddings,"
                  f" bf16: {size(weights)} of weights. Copy bandwidth (device to device, read + write): "
                  f"{bandwidth / 1e9:.0f} GB/s. The bandwidth bound of a step: weights + the KV it reads, at that rate.")
-    table_1(model, s, report, record, bandwidth, weights)
-    table_2(s, report, record, device)
-    table_3(model, s, report, record)
-    table_4(model, s, report, record, bandwidth, weights)
-    targets(s, report, record)
-    report.write(f"\nTotal wall time: {time.perf_counter() - started:.0f} s (and the imports before it).")
-    for row in [*record["rows"].values(), *record["batch"].values()]:   # the token tensors stay out of the JSON
-        row.pop("tokens", None)
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
+    try:
+        table_1(model, s, report, record, bandwidth, weights)
+        table_2(s, report, record, device)
+        table_3(model, s, report, record)
+        table_4(model, s, report, record, bandwidth, weights)
+    finally:   # a run cut short (an error, Ctrl-C, a time limit's SIGINT) still writes its targets and JSON
+        targets(s, report, record)
+        report.write(f"\nTotal wall time: {time.perf_counter() - started:.0f} s (and the imports before it).")
+        for row in [*record["rows"].values(), *record["batch"].values()]:   # the token tensors stay out of the JSON
+            row.pop("tokens", None)
+        out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
     return record

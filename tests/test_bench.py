@@ -239,6 +239,21 @@ def test_rows_past_the_deadline_are_written_as_skipped(tmp_path, monkeypatch):
     assert "| ... and turns it into more tokens/s | - |" in text
 
 
+def test_a_run_cut_short_still_writes_its_targets_and_json(tmp_path, monkeypatch):
+    # gpu_check.sh stops a stage past its limit with SIGINT: what tables 1 and 2 measured must come back
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench_gpu, "table_3", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--gpu", "--quick", "--out", str(tmp_path / "cut.md")])
+    saved = json.loads((tmp_path / "cut.json").read_text())
+    assert len(saved["rows"]) == len(bench_gpu.ROWS) and saved["shape"] and not saved["batch"]
+    assert all("tokens" not in row for row in saved["rows"].values())
+    text = (tmp_path / "cut.md").read_text()
+    assert "### 3." not in text and "### Targets" in text and "Total wall time" in text
+    assert "| ... and turns it into more tokens/s | - |" in text      # table 4 never ran
+
+
 def test_report_lines_reach_the_file_before_the_run_ends(tmp_path):
     report = bench_gpu.Report(tmp_path / "new" / "t.md")
     report.table("### T", ["a", "b"])

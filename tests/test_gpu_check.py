@@ -1,28 +1,42 @@
-"""gpu_check.sh, the two device calls of README "On one GPU", run here at toy sizes (DEVICE=cpu): every stage's
-command is one the current code accepts, each writes its file, and a call returns what the device tool can carry.
-The GPU tests' stage is stubbed (CI runs tests/test_gpu.py itself), so this takes ~30 s, not ~90."""
+"""gpu_check.sh, the two device calls of README "On one GPU". Run here at toy sizes (DEVICE=cpu): every stage's
+command is one the current code accepts, each writes its file, a call returns what the device tool can carry, and
+a stage that fails or runs out of time costs only itself. The GPU's own command lines (DEVICE=cuda) are recorded
+by a stub interpreter and checked against each script's argument parser. The GPU tests' stage is stubbed (CI runs
+tests/test_gpu.py itself): ~1 minute."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import bench
+import bench_gpu
+import cli
+import models
+import static
+from kvcache import SparseConfig
+
 SCRIPT = Path(__file__).resolve().parent.parent / "gpu_check.sh"
 CHECK = ["test_gpu.txt", "train_gpu_fp32.txt", "train_gpu_bf16.txt", "bench_quick.txt", "step_times.txt"]
 
 
-def run(tmp_path, *steps, broken="no such command"):
-    """gpu_check.sh STEPS on the CPU, its output folder in tmp_path/out; -> (the process, that folder).
-    A command line holding `broken` fails at once with exit code 3."""
+def run(tmp_path, *steps, broken="no such command", slow="no such command", device="cpu", **env):
+    """gpu_check.sh STEPS, its output folder in tmp_path/out; -> (the process, that folder). A stub interpreter
+    runs each command with this Python, but for `-m pytest` (it only says it ran), a command line holding `broken`
+    (exit code 3 at once) and one holding `slow` (it sleeps). It records each command line in tmp_path/seen, its
+    arguments separated by \x1f (one holds Python code, newlines and quotes in it), the lines by \x1e."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    stub = tmp_path / "python"   # the interpreter the script calls, but for `-m pytest`, which only says it ran
-    stub.write_text(f'#!/usr/bin/env bash\n[ "$1 $2" = "-m pytest" ] && {{ echo "pytest $*"; exit 0; }}\n'
-                    f'case "$*" in *"{broken}"*) exit 3 ;; esac\nexec {sys.executable} "$@"\n')
+    stub, seen = tmp_path / "python", tmp_path / "seen"
+    stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\x1f" "$@" >> {seen}; printf "\\x1e" >> {seen}\n'
+                    f'case "$*" in *"{broken}"*) exit 3 ;; *"{slow}"*) exec sleep 60 ;; esac\n'
+                    f'[ "$1 $2" = "-m pytest" ] && {{ echo "pytest $*"; exit 0; }}\n'
+                    + ('exit 0\n' if device == "cuda" else f'exec {sys.executable} "$@"\n'))
     stub.chmod(0o755)
     out = tmp_path / "out"
-    env = dict(os.environ, DEVICE="cpu", PY=str(stub), OUT=str(out), OMP_NUM_THREADS="1")
+    env = dict(os.environ, DEVICE=device, PY=str(stub), OUT=str(out), OMP_NUM_THREADS="1", **env)
     return subprocess.run(["bash", str(SCRIPT), *steps], capture_output=True, text=True, env=env, timeout=300), out
 
 
@@ -33,50 +47,99 @@ def calls(tmp_path_factory):
     return {step: run(tmp / step, step) for step in ("check", "bench")}
 
 
+def stages(summary):
+    """(name, what happened) of each stage in a summary file's text."""
+    return [(line.split()[1].rstrip(":"), line.split(": ", 1)[1].split(" after")[0].split(",")[0])
+            for line in summary.splitlines() if ": exit " in line or ": not run" in line]
+
+
 def test_every_stage_of_both_calls_runs_and_exits_0(calls):
-    for step, stages in (("check", CHECK), ("bench", ["bench_gpu.log"])):
+    for step, names in (("check", CHECK), ("bench", ["bench_gpu.log"])):
         done, out = calls[step]
         assert done.returncode == 0, done.stdout + done.stderr
-        summary = (out / "summary.txt").read_text()
-        assert [line.split()[1].rstrip(":") for line in summary.splitlines() if " exit " in line] == stages
-        assert summary.count("exit 0 after") == len(stages), summary
-    assert "GPU_TESTS_DEVICE=cpu" in (calls["check"][1] / "summary.txt").read_text()
+        assert stages((out / f"summary_{step}.txt").read_text()) == [(name, "exit 0") for name in names]
+    assert "GPU_TESTS_DEVICE=cpu" in (calls["check"][1] / "summary_check.txt").read_text()
     assert "tests/test_gpu.py" in (calls["check"][1] / "test_gpu.txt").read_text()
 
 
 def test_a_call_returns_at_most_what_the_device_tool_carries(calls):
-    """The device tool brings back 8 files from a call: each leaves its stages' files and summary.txt, 6 at most."""
+    """The device tool brings back 8 files from a call: each leaves its stages' files and its summary, 6 at most."""
     for step, files in (("check", CHECK), ("bench", ["bench_gpu.log", "bench_gpu.md", "bench_gpu.json"])):
-        assert sorted(p.name for p in calls[step][1].iterdir()) == sorted(files + ["summary.txt"])
+        assert sorted(p.name for p in calls[step][1].iterdir()) == sorted(files + [f"summary_{step}.txt"])
 
 
-def test_each_stage_wrote_what_it_measures(calls):
-    check, bench = calls["check"][1], calls["bench"][1]
+def test_each_stage_wrote_what_it_measures_and_the_digest_shows_it(calls):
+    check, bench_out = calls["check"][1], calls["bench"][1]
     for precision in ("fp32", "bf16"):   # the toy run's summary table, as the README quotes it
         text = (check / f"train_gpu_{precision}.txt").read_text()
         assert "| before RL |" in text and "| after RL  |" in text and "wall time:" in text
     steps = (check / "step_times.txt").read_text()
     for policy in ("full", "streaming", "snapkv", "rkv", "h2o"):
         assert f"{policy:>10}: mean step" in steps
-    record = json.loads((bench / "bench_gpu.json").read_text())
-    assert record["targets"] and "### Targets" in (bench / "bench_gpu.md").read_text()
+    record = json.loads((bench_out / "bench_gpu.json").read_text())
+    assert record["targets"] and "### Targets" in (bench_out / "bench_gpu.md").read_text()
     # the digest, last on the screen, which is what the device tool's reply shows
     shown = calls["check"][0].stdout.split("\n== ")[1:]
     assert [part.split("\n")[0] for part in shown] == ["test_gpu.txt", "train_gpu_bf16.txt", "train_gpu_fp32.txt",
                                                         "step_times.txt"]
+    assert shown[0].split("\n")[1].startswith("pytest ")       # no summary line: the stage's last lines
     assert "| after RL  |" in shown[1] and "h2o: mean step" in shown[3]
-    assert calls["bench"][0].stdout.split("\n== ")[1].startswith("bench_gpu.md\n### Targets")
-
-
-def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
-    done, out = run(tmp_path, "check", "bnech")
-    assert done.returncode == 2 and "unknown step 'bnech': check or bench" in done.stderr
-    assert not (out / "summary.txt").exists()
+    assert calls["bench"][0].stdout.split("\n== ")[1].startswith(
+        "bench_gpu.md\nrows skipped past the deadline: 0\n### Targets")
 
 
 def test_a_failing_stage_costs_only_itself_and_the_call_says_which(tmp_path):
     done, out = run(tmp_path, "check", broken="train.py")
     assert done.returncode == 1 and "failed: train_gpu_fp32.txt train_gpu_bf16.txt" in done.stderr
-    summary = (out / "summary.txt").read_text()
-    assert summary.count("exit 3 after") == 2 and summary.count("exit 0 after") == 3
+    assert [what for _, what in stages((out / "summary_check.txt").read_text())] == [
+        "exit 0", "exit 3", "exit 3", "exit 0", "exit 0"]
     assert "full: mean step" in (out / "step_times.txt").read_text()     # the stages after them ran
+
+
+def test_a_stage_past_the_calls_time_is_stopped_and_the_rest_not_begun(tmp_path):
+    # CALL=36: the first stage may take what is left of 36 - 20 s after the versions are read (Python imports
+    # torch: a few seconds); it sleeps, gets SIGINT at its limit, and leaves less than 10 s to the others
+    done, out = run(tmp_path, "check", slow="pytest", CALL="36")
+    text = (out / "summary_check.txt").read_text()
+    assert stages(text) == [("test_gpu.txt", "exit 124")] + [(name, "not run") for name in CHECK[1:]]
+    assert done.returncode == 1 and "failed: " + " ".join(CHECK) in done.stderr
+    took, limit = map(int, re.search(r"exit 124 after (\d+) s \(limit (\d+) s\)", text).groups())
+    assert 6 <= limit <= 16 and limit <= took <= limit + 1
+
+
+def test_the_gpu_commands_are_what_each_script_accepts(tmp_path, monkeypatch):
+    # DEVICE=cuda through a stub that only records: each command line, parsed by the parser of the script it calls
+    done, _ = run(tmp_path, "check", "bench", device="cuda")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [call.split("\x1f")[:-1] for call in (tmp_path / "seen").read_text().split("\x1e")[:-1]]
+    scripts = [next((a for a in line if a.endswith((".py", "pytest"))), line[0]) for line in lines]
+    assert scripts == ["-c", "pytest", "train.py", "train.py", "bench.py", "static.py", "bench.py"]
+
+    class Parsed(Exception):
+        pass
+
+    def parsed(*args):
+        raise Parsed
+    assert lines[1][-1] == "tests/test_gpu.py"
+    for line in lines[2:4]:                                    # the quick start's run, on CUDA, fp32 then bf16
+        args = cli.parse_args(line[1:])
+        assert (args.device, args.steps, args.warmup_steps, args.policy) == ("cuda", 200, 100, "snapkv")
+    assert cli.parse_args(lines[3][1:]).dtype == "bfloat16"
+    monkeypatch.setattr(bench_gpu, "main", parsed)
+    for line in (lines[4], lines[6]):
+        with pytest.raises(Parsed):
+            bench.main(line[1:])
+    assert "--quick" in lines[4] and "--quick" not in lines[6]
+    monkeypatch.setattr(models, "pick_device", parsed)          # static.main parses, then asks for the device
+    with pytest.raises(Parsed):
+        static.main(lines[5][1:])
+    args = dict(zip(lines[5][1::2], lines[5][2::2]))
+    assert args["--shape"] == "qwen3-1.7b" and "--step-times" in lines[5]
+    for policy in ["full", "streaming", "snapkv", "rkv", "h2o"]:   # what static.main checks after the device
+        SparseConfig(policy, budget=int(args["--budget"]), interval=int(args["--interval"]))
+
+
+def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
+    done, out = run(tmp_path, "check", "bnech")
+    assert done.returncode == 2 and "unknown step 'bnech': check or bench" in done.stderr
+    assert not out.exists()
