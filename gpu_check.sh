@@ -4,7 +4,7 @@
 # ~30 s after a call; a new start costs 1-2 minutes).
 #
 #   bash gpu_check.sh check   # call 1 (timeout_s 420): the GPU tests, the toy run in fp32 and in bf16, the GPU
-#                             # bench on its tiny shape, and every eager decode step timed per policy (~340 s)
+#                             # bench on its tiny shape, and every eager decode step timed per policy (~270 s)
 #   bash gpu_check.sh bench   # call 2 (timeout_s 420): python bench.py --gpu, the 1.7B-shaped bench (~300 s)
 #   DEVICE=cpu bash gpu_check.sh check bench   # here, on the CPU at toy sizes (~1.5 min): checks this script
 #                                               # (tests/test_gpu_check.py runs it so, the GPU tests stubbed)
@@ -36,13 +36,14 @@ FAILED=()
 
 # Every array holds something on both devices: an empty "${a[@]}" fails under `set -u` in bash before 4.4.
 if [ "$DEVICE" = cuda ]; then          # the README's commands, as they are
-    TESTS=(env)                        # (GPU_TESTS_DEVICE unset: the tests run on CUDA)
+    TESTS=(env "$PY" -m pytest)        # (GPU_TESTS_DEVICE unset: the tests run on CUDA), in 4 processes where
+    "$PY" -c "import xdist" 2>/dev/null && TESTS+=(-n 4)   # pytest-xdist is (the GPU image has it): ~1 minute less
     TRAIN=(--device cuda)              # the quick start's run: 100 warm-up steps, 200 RL steps
     STEPS=(--device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 320 --budget 512 --interval 128)
     BENCH=(--gpu)
 else                                   # the same commands at toy sizes, to check this script on a CPU
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # beside another job on 2 cores, 2 threads ran 4.5x slower (README)
-    TESTS=(env GPU_TESTS_DEVICE=cpu)
+    TESTS=(env GPU_TESTS_DEVICE=cpu "$PY" -m pytest)
     TRAIN=(--device cpu --steps 4 --warmup-steps 4 --eval-size 8 --eval-every 4)
     STEPS=(--device cpu --shape layers28 --batch 4 --prompt 32 --new 48 --budget 16 --interval 16)
     BENCH=(--gpu --quick)
@@ -72,7 +73,7 @@ machine() {   # the device, the versions and the time, first in the summary and 
 }
 
 check() {   # the GPU tests, the toy run twice, the tiny GPU bench, each eager decode step of five policies timed
-    stage test_gpu.txt 180 "${TESTS[@]}" "$PY" -m pytest -vv -rfEs -p no:cacheprovider tests/test_gpu.py
+    stage test_gpu.txt 180 "${TESTS[@]}" -vv -rfEs -p no:cacheprovider tests/test_gpu.py
     stage train_gpu_fp32.txt 120 "$PY" train.py "${TRAIN[@]}" --out "$WORK/fp32"
     stage train_gpu_bf16.txt 120 "$PY" train.py "${TRAIN[@]}" --dtype bfloat16 --out "$WORK/bf16"
     stage bench_quick.txt 60 "$PY" bench.py --gpu --quick --out "$WORK/quick.md"

@@ -113,7 +113,9 @@ def test_the_gpu_commands_are_what_each_script_accepts(tmp_path, monkeypatch):
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [call.split("\x1f")[:-1] for call in (tmp_path / "seen").read_text().split("\x1e")[:-1]]
     scripts = [next((a for a in line if a.endswith((".py", "pytest"))), line[0]) for line in lines]
-    assert scripts == ["-c", "pytest", "train.py", "train.py", "bench.py", "static.py", "bench.py"]
+    assert scripts == ["-c", "-c", "pytest", "train.py", "train.py", "bench.py", "static.py", "bench.py"]
+    assert lines[0] == ["-c", "import xdist"] and lines[2][:4] == ["-m", "pytest", "-n", "4"]   # the stub has it
+    lines = lines[1:]
 
     class Parsed(Exception):
         pass
