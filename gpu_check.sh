@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one-GPU checks of README "On one GPU", sized for a session's 15 minutes of device time, the machine's start
-# included: two device calls of ~5.5 and ~5 minutes, the second made at once after the first (a machine stays warm
+# included: two device calls of ~4.5 and ~5 minutes, the second made at once after the first (a machine stays warm
 # ~30 s after a call; a new start costs 1-2 minutes).
 #
 #   bash gpu_check.sh check   # call 1 (timeout_s 420): the GPU tests, the toy run in fp32 and in bf16, the GPU
