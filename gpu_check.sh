@@ -9,7 +9,7 @@
 #   DEVICE=cpu bash gpu_check.sh check bench   # here, on the CPU at toy sizes (~1.5 min): checks this script
 #                                               # (tests/test_gpu_check.py runs it so, the GPU tests stubbed)
 #
-# Each stage runs under its own time limit, cut to what is left of the call's CALL seconds (default 390, inside
+# Each stage runs under its own time limit, cut to what is left of the call's CALL seconds (default 400, inside
 # the device call's timeout_s), and writes one file to $OUT (the device tool's folder; out/gpu-check where it is
 # unset), so a stage that fails or runs long costs only itself. A stage past its limit gets SIGINT (Ctrl-C: pytest
 # prints its summary, the bench writes its targets and JSON), then SIGKILL 15 s later; its exit code is 124.
@@ -26,7 +26,7 @@ done
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}                      # the GPU image's python3 holds torch; a plain `python` may not exist there
 OUT=${OUT:-out/gpu-check}
-CALL=${CALL:-390}                      # seconds this call may take in all
+CALL=${CALL:-400}                      # seconds this call may take in all (the device call: timeout_s 420)
 WORK=$(mktemp -d)                      # the training runs' folders and the quick bench's tables: not returned
 trap 'rm -rf "$WORK"' EXIT
 export PYTHONUNBUFFERED=1              # a stage cut off at its limit keeps what it printed
