@@ -1,7 +1,7 @@
 """One GPU, proven: what sparse rollouts buy a 1.7B model on one card, in one command of about 5 minutes.
 
     PYTHONUNBUFFERED=1 python bench.py --gpu --out $OUT/bench_gpu.md 2>&1 | tee $OUT/bench_gpu.log
-    python bench.py --gpu --quick    # the same code on a tiny shape, in seconds, on any device (tests/test_bench.py)
+    python bench.py --gpu --quick    # the same code on a tiny shape, in seconds, on any device (tests/test_bench_gpu.py)
 
 Its own file because it asks bench.py's questions at a scale where bench.py's method does not fit the time: an
 eager decode step at this shape and batch 64 was measured at ~36 ms on an H100, a minute per 1536-token rollout,

@@ -1,0 +1,152 @@
+"""bench.py --gpu (bench_gpu.py) runs end to end on its tiny shape, on any device: every row, table and target is
+written, its cells agree with the formulas by hand, and a run cut short keeps what it measured. No timed
+assertions; the GPU itself runs it through gpu_check.sh (tests/test_gpu_check.py)."""
+import json
+
+import pytest
+import torch
+
+import bench
+import bench_gpu
+import kvcache
+import sampler
+from kvcache import SparseConfig
+from sampler import generate
+
+
+@pytest.fixture(scope="module")
+def gpu_quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_gpu") / "nested" / "bench_gpu.md"
+    record = bench.main(["--gpu", "--quick", "--out", str(out)])
+    return record, out.read_text(), json.loads(out.with_suffix(".json").read_text())
+
+
+def test_gpu_bench_writes_every_row_table_and_target(gpu_quick):
+    record, text, saved = gpu_quick
+    keys = [f"{bench_gpu.row_label(sampler, extra)} {length}" for sampler, length, extra in bench_gpu.ROWS]
+    assert "ours full captured=True new" in keys
+    assert list(record["rows"]) == list(saved["rows"]) == keys
+    for heading in ("### 1.", "### 2.", "### 3.", "### 4.", "### Targets", "Total wall time"):
+        assert heading in text
+    assert "skipped" not in text and " - |" not in text.split("### Targets")[1]   # every target has a number
+    assert all(row["tokens_per_s"] > 0 and row["peak_bytes"] is None for row in record["rows"].values())  # CPU: n/a
+
+
+def test_gpu_bench_kv_columns_equal_the_formula_by_hand(gpu_quick):
+    record, text, _ = gpu_quick
+    rows, s = record["rows"], bench_gpu.TINY            # 2 layers, 2 KV heads of 64 / 4 = 16, batch 4
+    per_token = 2 * 2 * 2 * 16 * 2 * 4                  # K and V * layers * KV heads * head_dim * 2 bytes (bf16) * batch
+    dense = 32 + 64 - 1                                 # prompt + new, the last token never fed
+    assert rows["ours full new"]["rollout_kv_bytes"] == per_token * dense == 97280
+    assert f"| {bench_gpu.size(97280)} |" in next(line for line in text.splitlines() if line.startswith("| ours full | 32+64"))
+    prompt_len, steps, _ = bench_gpu.plan(s, "full", "new")   # prefill to the mean context, then warm + window
+    assert rows["ours full new"]["kv_tokens"] == rows["HF generate new"]["kv_tokens"] == prompt_len + steps - 1
+    assert rows["ours full new"]["kv_formula_bytes"] == per_token * (prompt_len + steps - 1)
+    for name in bench.EVICTION:                         # budget 32 + interval 8, at any length
+        assert rows[f"ours {name} any"]["kv_tokens"] == 40 and rows[f"ours {name} any"]["rollout_kv_bytes"] == per_token * 40
+
+
+def test_gpu_bench_weights_json_targets_and_cells_by_hand(gpu_quick):
+    # Pins bench_gpu's record and cells: weights at bf16's 2 bytes a parameter (4 would be fp32's), no token tensor
+    # left in the JSON's rows or batch rows, the 8 targets written as rows of their table, tokens = HF 1.000 for
+    # our dense rows (greedy on the same weights), and table 4's bandwidth share as a percentage, not "-"
+    record, text, saved = gpu_quick
+    model = bench_gpu.qwen3_model(bench_gpu.TINY, torch.device("cpu"))
+    assert record["weight_bytes"] == 2 * sum(p.numel() for p in model.parameters())
+    assert all("tokens" not in row for group in ("rows", "batch") for row in saved[group].values())
+    targets = text.split("### Targets")[1]
+    assert len(record["targets"]) == 8 and all(f"| {t} | {m} |" in targets for t, m in record["targets"].items())
+    table_1, table_4 = (text.split(a)[1].split(b)[0].splitlines() for a, b in (("### 1.", "### 2."), ("### 4.", "###")))
+    dense = [row for row in table_1 if row.startswith("| ours full |")]
+    assert len(dense) == 2 and all(row.endswith("| 1.000 |") for row in dense)
+    assert [row.endswith(" % |") for row in table_4 if row.startswith("| ours")] == [True, True]
+
+
+def test_gpu_bench_copies_copy_mib_and_runs_its_captured_rows_captured(tmp_path, monkeypatch):
+    # Pins bench_gpu.main's bandwidth buffer (copy_mib MiB of 4-byte values) and window_run / measure_row passing
+    # **extra on: the 6 captured rows of table 1 reach generate with captured=True (else they time eager decoding)
+    copies, captured = [], []
+    monkeypatch.setattr(bench_gpu, "copy_bandwidth", lambda values, device: copies.append(values) or 1e10)
+    real = bench.generate
+    monkeypatch.setattr(bench, "generate", lambda *a, **k: (captured.append(k.get("captured")), real(*a, **k))[1])
+    bench.main(["--gpu", "--quick", "--out", str(tmp_path / "g.md")])
+    assert copies == [bench_gpu.TINY["copy_mib"] * 2**20 // 4]
+    assert captured.count(True) == sum(extra == bench_gpu.CAPTURED for _, _, extra in bench_gpu.ROWS) == 6
+
+
+def test_the_timed_window_counts_the_steps_a_graph_replays(monkeypatch):
+    # a CUDA graph replays a step without calling the model: a capture that replays the first static step's
+    # output stands in for it here. The window's clock must still start before pass 10, not at the model's 10th call
+    def replaying(step, cache):
+        first = []
+
+        def run(*args):
+            first.append(first[0] if first else step(*args))
+            cache.end_step()
+            return first[0]
+        return run
+    monkeypatch.setattr(sampler, "capture", replaying)
+    model, prompts = bench_gpu.qwen3_model(bench_gpu.TINY, torch.device("cpu")), [[1, 2, 3]] * 2
+    model_calls, clocked = [], []
+    model.register_forward_pre_hook(lambda *args: model_calls.append(1))
+    with bench_gpu.forward_calls(model, "full", 10, lambda: clocked.append(len(model_calls))):
+        generate(model, prompts, SparseConfig("full"), max_new_tokens=20, temperature=0, captured=True)
+    assert clocked == [2] and len(model_calls) == 2          # the prefill and the first static step; 18 replayed
+
+
+def test_largest_batch_doubles_then_bisects_to_the_known_answer():
+    found, tries = bench_gpu.largest_batch(lambda b: b <= 300, start=64, cap=1024)
+    assert 300 - 300 // 16 <= found <= 300 and (found, True) in tries and len(tries) <= 10
+    assert bench_gpu.largest_batch(lambda b: b <= 5, 4, 64)[0] == 5
+    assert bench_gpu.largest_batch(lambda b: b <= 2, 4, 64)[0] == 2                 # below the first try
+    assert bench_gpu.largest_batch(lambda b: True, 4, 16) == (16, [(4, True), (8, True), (16, True)])   # the cap
+    assert bench_gpu.largest_batch(lambda b: False, 4, 16)[0] == 0
+
+
+def test_the_batch_search_allocates_under_a_fake_memory_limit(monkeypatch):
+    """One layer's key buffer may hold 41000 bytes: dense (32 + 96 slots of 2 KV heads x 16 x 2 bytes = 8192 bytes a row)
+    fits 5 rows, SnapKV at budget 48 (+ interval 8 = 56 slots, 3584 bytes a row) 11: found by running the sampler."""
+    real = kvcache.Layer.__init__
+
+    def limited(layer, key, capacity, *args, **kwargs):
+        if key.shape[0] * key.shape[1] * capacity * key.shape[3] * key.element_size() > 41000:
+            raise torch.OutOfMemoryError("fake limit")
+        real(layer, key, capacity, *args, **kwargs)
+    monkeypatch.setattr(kvcache.Layer, "__init__", limited)
+    s = dict(bench_gpu.TINY)
+    model = bench_gpu.qwen3_model(s, torch.device("cpu"))
+    for policy, expected in (("full", 5), ("snapkv", 11)):
+        sparse, peaks = SparseConfig(policy, budget=s["search_budget"], interval=s["interval"]), {}
+        found, tries = bench_gpu.largest_batch(lambda b: bench_gpu.fits(model, s, sparse, b, peaks), 4, 64)
+        assert found == expected and (expected + 1, False) in tries
+
+
+def test_rows_past_the_deadline_are_written_as_skipped(tmp_path, monkeypatch):
+    monkeypatch.setitem(bench_gpu.TINY, "deadline", 0)
+    record = bench.main(["--gpu", "--quick", "--out", str(tmp_path / "late.md")])
+    text = (tmp_path / "late.md").read_text()
+    skipped = len(bench_gpu.ROWS) + 1 + len(bench_gpu.TINY["rescore_batches"]) + 2   # tables 1, 2, 3, 4
+    assert record["rows"] == {} and text.count("skipped: past the deadline") == skipped
+    assert "| ... and turns it into more tokens/s | - |" in text
+
+
+def test_a_run_cut_short_still_writes_its_targets_and_json(tmp_path, monkeypatch):
+    # gpu_check.sh stops a stage past its limit with SIGINT: what tables 1 and 2 measured must come back
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench_gpu, "table_3", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--gpu", "--quick", "--out", str(tmp_path / "cut.md")])
+    saved = json.loads((tmp_path / "cut.json").read_text())
+    assert len(saved["rows"]) == len(bench_gpu.ROWS) and saved["shape"] and not saved["batch"]
+    assert all("tokens" not in row for row in saved["rows"].values())
+    text = (tmp_path / "cut.md").read_text()
+    assert "### 3." not in text and "### Targets" in text and "Total wall time" in text
+    assert "| ... and turns it into more tokens/s | - |" in text      # table 4 never ran
+
+
+def test_report_lines_reach_the_file_before_the_run_ends(tmp_path):
+    report = bench_gpu.Report(tmp_path / "new" / "t.md")
+    report.table("### T", ["a", "b"])
+    report.row([1, 2])
+    assert (tmp_path / "new" / "t.md").read_text().endswith("| a | b |\n|---|---|\n| 1 | 2 |\n")
