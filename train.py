@@ -362,7 +362,8 @@ def resume_point(args, out):
         raise ValueError(f"--resume: {ckpt} was made by another run ({'; '.join(refused)}); pass its settings, or "
                          "another --out")
     for k in keys:
-        print(f"resuming with a setting of its own: {said(k)}")
+        if args.steps or k not in ("steps", "save_every", "eval_every"):   # --steps 0: no step, save, eval cadence
+            print(f"resuming with a setting of its own: {said(k)}")
     step = int(ckpt.name[len("step-"):])
     if 0 < args.steps < step:
         raise ValueError(f"--steps {args.steps} ends before {ckpt.name}: nothing to train (--steps {step} reruns its "

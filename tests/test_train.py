@@ -289,7 +289,7 @@ def test_random_down_sampling_is_a_function_of_seed_and_step(warm, monkeypatch):
     assert torch.equal(kept[0][2], kept[1][2])
 
 
-def test_resume_survives_a_half_written_line_and_reads_state_with_weights_only(tmp_path, warm):
+def test_resume_survives_a_half_written_line_and_reads_state_with_weights_only(tmp_path, warm, capsys):
     run_in(tmp_path, warm, "--steps", "2", "--save-every", "2", "--eval-every", "2")
     torch.load(tmp_path / "step-000002" / "trainer_state.pt", weights_only=True)   # no pickled objects
     with open(tmp_path / "metrics.jsonl", "a") as f:
@@ -301,8 +301,11 @@ def test_resume_survives_a_half_written_line_and_reads_state_with_weights_only(t
     run_in(tmp_path, warm, "--steps", "3", "--eval-every", "3", "--resume")   # resumed at its end: the final
     assert (tmp_path / "eval.jsonl").read_text().count('"step": 3,') == 1     # evaluation is rerun, not repeated
     final = json.loads((tmp_path / "eval.jsonl").read_text().splitlines()[-1])
-    _, results = train.main(SMALL + ["--out", str(tmp_path), "--resume", "--steps", "0"])   # evaluates step 3's
-    assert results["dense"] == final["dense"]                          # weights, as its final evaluation did
+    capsys.readouterr()
+    _, results = train.main(SMALL + ["--out", str(tmp_path), "--resume", "--steps", "0", "--lr", "2e-5"])
+    assert results["dense"] == final["dense"]                          # step 3's weights, as its final evaluation
+    said = [l for l in capsys.readouterr().out.splitlines() if l.startswith("resuming with")]
+    assert said == ["resuming with a setting of its own: --lr 3e-05 there, 2e-05 here"]   # not --steps 3 / 0
     for argv, message in ((["--steps", "2"], "--steps 2 ends before step-000003"),
                           (["--task", "pick"], "--task 'sort' there, 'pick' here"),
                           (["--seed", "3"], "made by another run \\(--seed 0 there, 3 here\\)"),
