@@ -210,8 +210,9 @@ def compress(layer, sparse, rows, salt, count, n):
                layer.queries[rows] if remembered else None, layer.query_pos[rows] if remembered else None,
                layer.scaling, salt)
     recent = due.pos > due.pos.amax(-1, keepdim=True) - sparse.window
-    scores[rows] = SCORERS[sparse.policy](due, sparse).float().masked_fill(recent, float("inf")).masked_fill(
-        due.pos < 0, float("-inf"))
+    with torch.autocast(valid.device.type, enabled=False):   # fp32 scores: bf16 autocast would round them into ties
+        scores[rows] = SCORERS[sparse.policy](due, sparse).float().masked_fill(recent, float("inf")).masked_fill(
+            due.pos < 0, float("-inf"))
     layer.keep(*keep_indices(scores, count, n))
 
 
@@ -261,17 +262,18 @@ def attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=N
     if not weights:   # reshape: CUDA's memory-efficient kernel returns [B, H_kv, G, D] with G and H_kv not adjacent
         return F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scaling).reshape(B, H, q, D), None
     outs, received = [], 0.0
-    for start in range(0, rows.shape[2], CHUNK):
-        part = slice(start, start + CHUNK)
-        logits = rows[:, :, part].float() @ keys.float().transpose(-1, -2) * scaling    # upcast first
-        if mask is not None:
-            logits = logits.masked_fill(~(mask if q == 1 else mask[:, :, part]), float("-inf"))
-        w = logits.softmax(-1)
-        outs.append(w.to(values.dtype) @ values)
-        if q == 1:    # the G rows of a KV head are its G query heads (G <= CHUNK: one chunk)
-            received = w.reshape(B, H, -1)
-        else:         # padding queries (position -1) give nothing
-            received = received + (w * (query_pos[:, part] >= 0)[:, None, :, None]).sum(2)
+    with torch.autocast(query.device.type, enabled=False):   # H2O's weights in fp32, under bf16 autocast too
+        for start in range(0, rows.shape[2], CHUNK):
+            part = slice(start, start + CHUNK)
+            logits = rows[:, :, part].float() @ keys.float().transpose(-1, -2) * scaling    # upcast first
+            if mask is not None:
+                logits = logits.masked_fill(~(mask if q == 1 else mask[:, :, part]), float("-inf"))
+            w = logits.softmax(-1)
+            outs.append(w.to(values.dtype) @ values)
+            if q == 1:    # the G rows of a KV head are its G query heads (G <= CHUNK: one chunk)
+                received = w.reshape(B, H, -1)
+            else:         # padding queries (position -1) give nothing
+                received = received + (w * (query_pos[:, part] >= 0)[:, None, :, None]).sum(2)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)    # a decode step is one chunk: no copy
     return out.reshape(B, H, q, D), received    # reshape: a matmul's output need not be contiguous on every device
 

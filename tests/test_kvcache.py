@@ -1,4 +1,6 @@
 """The evictable cache against slow loop-based references, its budget, and its input checks."""
+import copy
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -320,6 +322,38 @@ def test_under_bf16_autocast_the_cache_holds_bf16_at_half_the_bytes():
     assert layer.k_buf.dtype == layer.v_buf.dtype == torch.bfloat16
     assert bf16.stats["peak_kv_tokens"] == fp32.stats["peak_kv_tokens"]
     assert 2 * bf16.stats["peak_kv_bytes"] == fp32.stats["peak_kv_bytes"]
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "rkv", "h2o"])
+def test_under_bf16_autocast_the_scores_stay_fp32(monkeypatch, policy):
+    # train.py --dtype bfloat16 samples under autocast, which runs a matmul (and, on the CPU, a softmax) in bf16
+    # whatever its operands: scores rounded to bf16 tie by the dozen, and the cut then falls by slot order. Each
+    # compression of a bf16-autocast rollout keeps the slots the same cache keeps when scored with autocast off,
+    # and H2O's accumulated weights are the fp32 ones.
+    model = tiny_model("llama")
+    sparse = SparseConfig(policy, budget=16, interval=6, window=4, sink=0, kernel=3)
+    prompts = [[1 + (5 * j) % 60 for j in range(48)], [1 + (7 * j) % 60 for j in range(40)]]
+    same, compress, attention = [], kvcache.compress, kvcache.attention
+
+    def both(layer, *a):
+        twin = copy.deepcopy(layer)
+        with torch.autocast("cpu", enabled=False):
+            compress(twin, *a)
+        compress(layer, *a)
+        same.append(torch.equal(layer.pos, twin.pos))
+
+    def weights_both(*a, **kw):
+        out, received = attention(*a, **kw)
+        if kw.get("weights"):
+            with torch.autocast("cpu", enabled=False):
+                same.append(torch.equal(received, attention(*a, **kw)[1]) and received.dtype == torch.float32)
+        return out, received
+
+    monkeypatch.setattr(kvcache, "compress", both)
+    monkeypatch.setattr(kvcache, "attention", weights_both)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = generate(model, prompts, sparse, max_new_tokens=20, temperature=1.0, seed=0)
+    assert out.stats["compressions"] >= 3 and len(same) >= 3 and all(same)
 
 
 def lowbias32(x):
