@@ -123,28 +123,59 @@ def tail_by_bin(alpha, positions, bin_size, q=0.05):
     return tails, counts
 
 
-def longest_by_bin(positions, bin_size, n):
-    """The longest context of each of `n` length bins among `positions` (any shape, -1: ignored; past the
-    last bin: in it) -> [n] long, -1 where a bin has none."""
-    real = positions[positions >= 0]
-    which = (real // bin_size).clamp(max=n - 1)
-    return torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, which, real, "amax")
+def by_bin(alpha, positions, schedule, bin_size, interval=1, q=0.05):
+    """What the blame rule reads from one batch sampled under `schedule` (bins of `bin_size` from 0), per bin;
+    contexts past the last bin count in it (its budget holds there).
+
+    alpha, positions: [N, T], positions = the context each token was sampled at (-1: ignore).
+    Returns (tails [n] float64, nan where empty; counts [n]; longest [n] context, -1 where none;
+    compressed: the sorted bins where the cache compressed some row, `compressed_bins`), n = len(schedule.bins).
+    """
+    alpha, positions = alpha.cpu(), positions.cpu()                  # measure's are on the model's device
+    n, real = len(schedule.bins), positions >= 0
+    which = (positions[real] // bin_size).clamp(max=n - 1)
+    tails, counts = tail_by_bin(alpha[real], which * bin_size, bin_size, q)
+    tails = torch.cat([tails, torch.full((n - len(tails),), float("nan"), dtype=torch.float64)])
+    longest = torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, which, positions[real], "amax")
+    return tails, torch.bincount(which, minlength=n), longest, compressed_bins(positions, schedule, bin_size, interval)
 
 
-def blamed_bin(i, budgets, longest, interval=1, page_size=None, seen=None):
+def compressed_bins(positions, schedule, bin_size, interval=1):
+    """The bins in which the cache compressed some row: `KVCache.start_step`'s rule replayed from the contexts.
+
+    positions [N, T]: each row's response sampled at contexts P .. its last (-1 after): the prefill keeps the
+    P-token prompt whole; each decode step adds a token at context c (P < c <= last) and, once the row holds
+    schedule(c) + interval tokens, keeps schedule(c). Not the context: after a compression a row holds fewer
+    tokens than its context, so a bin whose budget covers what the row still holds compresses nothing.
+    -> sorted list of bins, c // bin_size (past the last bin of `schedule`: in it).
+    """
+    first, last = positions[:, 0].cpu(), positions.amax(1).cpu()        # -1 after the response: never the max
+    held, hit = first.clone(), set()
+    for t in range(1, int((last - first).max()) + 1 if len(first) else 0):
+        c, live = first + t, first + t <= last
+        held = held + live
+        budget = schedule(c)
+        due = live & (held - budget >= interval)
+        held = torch.where(due, budget, held)
+        hit.update((c[due] // bin_size).clamp(max=len(schedule.bins) - 1).tolist())
+    return sorted(hit)
+
+
+def blamed_bin(i, budgets, longest, compressed, page_size=None, seen=None):
     """The bin whose budget rises when bin i's tail fails, or None: nothing to raise.
 
-    budgets: per bin (None: dense); longest: each bin's longest context; seen: the bins measured (all if None).
-    Eviction: i itself if it evicts (its contexts reach budget + interval, where the cache compresses); if not,
-    what i misses was dropped earlier, for good, so the latest earlier bin that evicts; None if no bin up to i
-    evicts (eviction is not the cause). Block top-k (`page_size`): nothing is dropped for good, each step
-    chooses its pages anew, so i itself if its longest context has more pages than a step attends
-    (budget // page_size, plus the first and 2 newest, as `KVCache.start_step`); else None."""
-    sparse = lambda j: budgets[j] is not None and (seen is None or j in seen)
+    budgets: per bin (None: dense); longest: each bin's longest context; compressed: the bins where the cache
+    compressed (`compressed_bins`); seen: the bins measured (all if None).
+    Eviction: i itself if the cache compressed in it; if not, what i misses was dropped earlier, for good, so the
+    latest earlier bin where it compressed; None if it compressed in no bin up to i (eviction is not the cause).
+    Block top-k (`page_size`): nothing is dropped for good, each step chooses its pages anew, so i itself if its
+    longest context has more pages than a step attends (budget // page_size, plus the first and 2 newest, as
+    `KVCache.start_step`); else None."""
+    counted = lambda j: seen is None or j in seen
     if page_size:
         pages = (int(longest[i]) - 1) // page_size + 1
-        return i if sparse(i) and budgets[i] // page_size + RESERVED_PAGES < pages else None
-    return max([j for j in range(i + 1) if sparse(j) and budgets[j] + interval <= longest[j]], default=None)
+        return i if counted(i) and budgets[i] is not None and budgets[i] // page_size + RESERVED_PAGES < pages else None
+    return max([j for j in compressed if j <= i and counted(j)], default=None)
 
 
 def measure(model, prompts, sparse, max_new_tokens, temperature=1.0, eos_token_id=None, pad_token_id=0, seed=0,
@@ -223,17 +254,14 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
         budgets = [options[k] for k in choice]
         schedule = piecewise([i * bin_size for i in range(n)], budgets)
         alpha, positions = measure(model, prompts, replace(sparse, schedule=schedule), max_new_tokens, **sampling)
-        measured, counts = tail_by_bin(alpha, positions, bin_size, q)
-        longest = longest_by_bin(positions, bin_size, len(measured))
-        blamed = {blamed_bin(i, budgets, longest, sparse.interval, sparse.pages)
-                  for i in range(min(n, len(measured))) if measured[i] < threshold} - {None}
+        measured, counts, longest, compressed = by_bin(alpha, positions, schedule, bin_size, sparse.interval, q)
+        blamed = {blamed_bin(i, budgets, longest, compressed, sparse.pages)
+                  for i in range(n) if measured[i] < threshold} - {None}
         if not blamed:
             break
         choice[min(blamed)] += 1                                      # one bin at a time, the earliest first
-    rows = [dict(bins=(i * bin_size, (i + 1) * bin_size), budget=options[choice[i]],
-                 tail=float(measured[i]) if i < len(measured) else float("nan"),
-                 tokens=int(counts[i]) if i < len(counts) else 0,
-                 profile=[tail(i, k) for k in range(len(options) - 1)]) for i in range(n)]
+    rows = [dict(bins=(i * bin_size, (i + 1) * bin_size), budget=options[choice[i]], tail=float(measured[i]),
+                 tokens=int(counts[i]), profile=[tail(i, k) for k in range(len(options) - 1)]) for i in range(n)]
     return schedule, rows
 
 
@@ -274,19 +302,14 @@ class Controller:
     def __call__(self, context):
         return self.schedule(context)
 
-    def measure(self, alpha, positions):
-        """Per bin of the schedule: (tails, token counts, longest context) from alpha, positions [N, T]."""
-        real = positions >= 0
-        which = (positions[real] // self.bin_size).clamp(max=len(self.budgets) - 1)   # past the end: the last bin
-        tails, counts = tail_by_bin(alpha[real], which * self.bin_size, self.bin_size, self.q)
-        return tails, counts, longest_by_bin(positions, self.bin_size, len(tails))
-
     def update(self, alpha, positions):
-        """Move the budgets toward the threshold from one batch's alpha, positions [N, T]; -> the new Schedule."""
-        tails, counts, longest = self.measure(alpha, positions)
+        """Move the budgets toward the threshold from one batch's alpha, positions [N, T] (sampled under the
+        current schedule); -> the new Schedule."""
+        tails, counts, longest, compressed = by_bin(alpha, positions, self.schedule, self.bin_size, self.interval,
+                                                    self.q)
         budgets, seen = list(self.budgets), [i for i in range(len(tails)) if counts[i] >= self.min_tokens]
         failing = [i for i in seen if tails[i] < self.threshold]
-        for j in {blamed_bin(i, budgets, longest, self.interval, self.page_size, seen) for i in failing} - {None}:
+        for j in {blamed_bin(i, budgets, longest, compressed, self.page_size, seen) for i in failing} - {None}:
             budgets[j] = min(self.high, int(budgets[j] * self.up + 0.5))
         for i in seen:
             if tails[i] > self.threshold + self.band and not any(f >= i for f in failing):

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import schedule as S
-from kvcache import DENSE, SparseConfig
+from kvcache import DENSE, KVCache, SparseConfig
 from reference import tiny_model
 from sampler import generate
-from schedule import (QWEN3, THRESHOLD, Controller, Schedule, acceptance, bin_metrics, bins_for, calibrate, constant,
-                      cost, measure, piecewise, shape, speedup, tail_by_bin, token_contexts)
+from schedule import (QWEN3, THRESHOLD, Controller, Schedule, acceptance, bin_metrics, bins_for, calibrate,
+                      compressed_bins, constant, cost, measure, piecewise, shape, speedup, tail_by_bin, token_contexts)
 
 PROMPTS = [[1 + (7 * i + j) % 60 for j in range(6 + 3 * i)] for i in range(6)]   # lengths 6..21
 SPARSE = SparseConfig("snapkv", budget=6, interval=2, window=2, sink=2, kernel=3)
@@ -100,14 +100,16 @@ def test_calibrate_on_a_simulated_streaming_cache_by_hand(monkeypatch):
         ["nan"] * 3, [0.86] * 3, [0.554, 0.86, 0.86], [0.554, 0.554, 0.86], [0.86] * 3]
     # -> [2, 2, 4, 8, 2], made non-decreasing. Under that schedule bin 2's first token (c = 8, needs position 4)
     # was evicted at c = 7 by bin 1's 2, bin 3's (c = 12, needs 6) at c = 11 by bin 2's 4. The earliest failing
-    # bin moves first, to its next candidate: bin 2 -> 8 (bin 3 now holds); still failing -> dense; a dense bin
-    # that fails suffers from an earlier bin's eviction: bin 1 -> 4, and every bin holds, at exactly 0.86 (>=).
-    assert tried == [[2, 2, 4, 8, 8], [2, 2, 8, 8, 8], [2, 2, None, None, None], [2, 4, None, None, None]]
-    assert schedule == piecewise([0, 4, 8, 12, 16], [2, 4, None, None, None])
-    assert [r["budget"] for r in rows] == [2, 4, None, None, None] and [r["tokens"] for r in rows] == [0, 4, 4, 4, 4]
+    # bin moves first, to its next candidate: bin 2 -> 8 (bin 3 now holds). Bin 2 still fails, and at 8 the cache
+    # compresses nothing in it (it holds 3-6 tokens at contexts 8-11): what bin 2 misses, bin 1 dropped, so bin 1
+    # -> 4, and every bin holds, at exactly 0.86 (>=). (Counting the context, 8 + 1 <= 11, blamed bin 2 again,
+    # which went dense, and bins 3 and 4 with it: [2, 4, None, None, None].)
+    assert tried == [[2, 2, 4, 8, 8], [2, 2, 8, 8, 8], [2, 4, 8, 8, 8]]
+    assert schedule == piecewise([0, 4, 8, 12, 16], [2, 4, 8, 8, 8])
+    assert [r["budget"] for r in rows] == [2, 4, 8, 8, 8] and [r["tokens"] for r in rows] == [0, 4, 4, 4, 4]
     assert math.isnan(rows[0]["tail"]) and [r["tail"] for r in rows[1:]] == [THRESHOLD] * 4
-    # With a candidate of 16, bin 3 holds at 16 -> [2, 2, 4, 16, 16]; bin 2 fails, evicts at 4 (4 + 1 <= 11), -> 16;
-    # it still fails, but at 16 its contexts 8-11 never compress: raising it cannot help, so bin 1 moves, to 4
+    # With a candidate of 16, bin 3 holds at 16 -> [2, 2, 4, 16, 16]; bin 2 fails, compresses at 4 (contexts
+    # 10-11), -> 16; it still fails, but at 16 the cache compresses nothing in it: bin 1 moves, to 4
     tried.clear()
     schedule, _ = calibrate(None, None, candidates=[2, 4, 16], bin_size=4, sparse=sparse)
     assert tried == [[2, 2, 4, 16, 16], [2, 2, 16, 16, 16], [2, 4, 16, 16, 16]]
@@ -138,7 +140,7 @@ def test_calibrate_for_block_topk_blames_the_failing_bin_itself(monkeypatch):
     assert schedule == piecewise([0, 128], [128, 256]) and [r["tail"] for r in rows] == [1.0, 1.0]
 
 
-def test_calibrate_raises_bin_0_when_it_is_to_blame_and_only_if_its_contexts_reach_budget_plus_interval(monkeypatch):
+def test_calibrate_raises_bin_0_when_it_is_to_blame_and_only_if_its_cache_reaches_budget_plus_interval(monkeypatch):
     # Pins the blame in calibrate: bin 0 may be the culprit (a `- {None, 0}` would never raise it), and the
     # sampler's interval decides whether a bin evicts (interval 1 in its place would blame bin 0 at interval 2 too).
     # Stand-in `measure` as above, bins of 4, contexts 2-7: the token at 4 needs position 0, evicted at context 3
@@ -155,7 +157,8 @@ def test_calibrate_raises_bin_0_when_it_is_to_blame_and_only_if_its_contexts_rea
                                      sparse=SparseConfig("streaming", budget=2, interval=interval, window=1, sink=0))
     # interval 1: bin 1 (8 + 1 > 7) evicts nothing; bin 0 (2 + 1 <= 3) does: it is raised to 8, and both hold
     assert run(1)[0] == piecewise([0, 4], [8, 8])
-    # interval 2: bin 0's contexts never reach 2 + 2, so no bin is to blame: calibrate stops, bin 1 below
+    # interval 2: bin 0's cache (the 2-token prompt, then 3 at context 3) never reaches 2 + 2, so no bin is to
+    # blame: calibrate stops, bin 1 below
     schedule, rows = run(2)
     assert schedule == piecewise([0, 4], [2, 8]) and rows[1]["tail"] < THRESHOLD
 
@@ -191,18 +194,48 @@ def test_controller_holds_the_tail_in_its_band_with_budgets_that_grow_with_the_c
     assert budgets == sorted(budgets) and budgets[-1] > budgets[0]     # moved, and non-decreasing in the context
 
 
+@pytest.mark.parametrize("interval", [1, 3])
+def test_compressed_bins_replays_the_caches_compressions(model, monkeypatch, interval):
+    # the bins where the real cache compressed some row, recorded at each decode step of `generate`, against the
+    # replay from the contexts alone. Bins of 8; budget 8, then 24 from context 24: prompts of 6-21 tokens and 9 new
+    # reach contexts 29, but after the earlier compressions a row holds 8-15 tokens, so bin 3 compresses nothing
+    schedule, bin_size, seen = piecewise([0, 8, 16, 24], [8, 8, 8, 24]), 8, set()
+    start_step = KVCache.start_step
+
+    def recording(cache, positions):
+        start_step(cache, positions)
+        seen.update((cache.context[cache.due] // bin_size).tolist())
+
+    monkeypatch.setattr(KVCache, "start_step", recording)
+    out = generate(model, PROMPTS, SparseConfig(**{**vars(SPARSE), "interval": interval, "schedule": schedule}), 9)
+    assert compressed_bins(token_contexts(out), schedule, bin_size, interval) == sorted(seen) == [1, 2]
+
+
+def test_a_bin_that_compresses_nothing_is_not_blamed_though_its_contexts_pass_its_budget():
+    # One row, a 4-token prompt and 28 new tokens, interval 1, budgets 8 (contexts 0-15) and 24 (16-31): bin 0
+    # compresses at contexts 9-15 and leaves 8 tokens; in bin 1 the row grows from 9 to 24 tokens, never 25,
+    # though its contexts reach 31 >= 24 + 1. Bin 1 fails: what it misses bin 0 dropped, so bin 0 goes up, x1.5.
+    c = Controller(threshold=0.9, bin_size=16, bins=2, start=8, low=8, high=64, up=1.5, min_tokens=1)
+    c.schedule = piecewise([0, 16], [8, 24])
+    positions = torch.arange(4, 32)[None]
+    assert compressed_bins(positions, c.schedule, 16, 1) == [0]
+    c.update(torch.where(positions < 16, 1.0, 0.5).double(), positions)
+    assert c.budgets == (12, 24)                                         # counting contexts raised bin 1: (8, 36)
+
+
 def test_a_failing_bin_raises_the_bin_whose_eviction_it_suffers():
-    # Bins of 16, interval 1 (a bin evicts if its contexts reach budget + 1). Bin 2 (contexts 40-41) fails at
-    # budget 54: it evicts nothing, so what it misses was dropped in bin 1 (24 + 1 <= 30), which is raised x1.5.
-    # No bin is lowered: one at or after each of them failed.
+    # Bins of 16, interval 1; one row, `near` sampled at contexts 5-41: its cache reaches 25 tokens at context 25
+    # and compresses through bin 1, keeping 24; at 54, bin 2 (the row holds 25-34 tokens) compresses nothing.
+    # Bin 2 fails: what it misses was dropped in bin 1, which is raised x1.5. No bin is lowered: one at or after
+    # each of them failed.
     c = Controller(threshold=0.9, bin_size=16, bins=3, start=24, low=8, step=4, up=1.5, band=0.03, min_tokens=2)
     c.schedule = piecewise([0, 16, 32], [24, 24, 54])
     near, far = torch.tensor([[5, 6, 28, 30, 40, 41]]), torch.tensor([[5, 6, 28, 30, 60, 61]])
     c.update(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.1, 0.1]]), near)
     assert c.budgets == (24, 36, 54)
-    c.update(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.1, 0.1]]), far)      # contexts 60-61: bin 2 evicts, raises itself
+    c.update(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.1, 0.1]]), far)      # 55 tokens at context 55: bin 2 compresses
     assert c.budgets == (24, 36, 81)
-    c.update(torch.tensor([[1.0, 1.0, 0.5, 0.5, 1.0, 1.0]]), near)     # bin 1 fails, but no bin up to it evicts:
+    c.update(torch.tensor([[1.0, 1.0, 0.5, 0.5, 1.0, 1.0]]), near)     # bin 1 fails; no bin up to it compresses:
     assert c.budgets == (24, 36, 77)                                     # nothing raised; bin 2 holds, lowered
     c.update(torch.ones(1, 6), near)                                     # every bin holds: all lowered by 4
     assert c.budgets == (20, 32, 73)
@@ -213,10 +246,10 @@ def test_a_failing_bin_raises_the_bin_whose_eviction_it_suffers():
 def test_controller_raises_a_blamed_bin_once_and_never_one_it_did_not_see():
     # Pins update's blame set and its `seen`: two failing bins that blame the same bin raise it once (a list
     # would raise 20 twice, to 45), and a bin with fewer than min_tokens tokens is no culprit (without `seen`,
-    # bin 1's single token at 50 >= 24 + 1 would make it the latest bin that evicts: 24 -> 36).
+    # bin 1, where the row compresses from context 37 on, would be the latest bin that evicts: 24 -> 36).
     c = Controller(threshold=0.75, bin_size=32, bins=3, start=24, low=20, high=100, step=8, up=1.5, band=0.125,
                    min_tokens=2)
-    c.schedule = piecewise([0, 32, 64], [20, 60, 80])  # bins 1 and 2 fail, evict nothing (61 > 50, 81 > 65): bin 0
+    c.schedule = piecewise([0, 32, 64], [20, 60, 80])  # bins 1, 2 fail, compress nothing (the row holds <= 54): bin 0
     c.update(torch.tensor([[1.0, 1.0, 0.5, 0.5, 0.5, 0.5]]), torch.tensor([[25, 30, 40, 50, 64, 65]]))
     assert c.budgets == (30, 60, 80)                   # 20 * 1.5 once; bin 0 not lowered: later bins failed
     c.schedule = piecewise([0, 32, 64], [20, 24, 80])  # bin 1 holds one token only: unseen; bin 2 fails -> bin 0
@@ -247,23 +280,28 @@ def test_controller_for_block_topk_raises_the_failing_bin_itself():
 
 def test_controller_edges_by_hand():
     """Each edge of the rule by hand (bins of 32, interval 1, threshold 0.75, band 0.125, step 8, up 1.5, budgets
-    in [20, 100], alpha [1, 6]: two tokens per bin): a tail equal to the threshold holds; a bin evicts once its
-    longest context reaches budget + interval exactly; the latest earlier bin that evicts is the culprit, not the
-    first; budgets are capped at `high` and floored at `low`; a tail at exactly threshold + band is not lowered."""
+    in [20, 100], alpha [1, 6]: two tokens per bin, one row sampled at contexts 5-65): a tail equal to the threshold
+    holds; a bin compresses once its row holds budget + interval tokens exactly; the latest earlier bin that
+    compresses is the culprit, not the first; budgets are capped at `high` and floored at `low`; a tail at exactly
+    threshold + band is not lowered."""
     def controller(budgets):
         c = Controller(threshold=0.75, bin_size=32, bins=3, start=24, low=20, high=100, step=8, up=1.5, band=0.125,
                        min_tokens=2)
         c.schedule = piecewise([0, 32, 64], budgets)
         return c
     alpha = lambda *tails: torch.tensor([[t for t in tails for _ in range(2)]])
-    c = controller((24, 40, 64))             # bin 1 fails, its longest context 41 = 40 + 1: it evicts, 40 -> 60;
-    c.update(alpha(1.0, 0.5, 0.75), torch.tensor([[5, 6, 40, 41, 64, 65]]))   # bin 2, at the threshold, holds
-    assert c.budgets == (24, 60, 64)
-    c = controller((20, 24, 80))             # bin 2 fails, evicts nothing (80 + 1 > 65); bins 0 (30 >= 21) and
-    c.update(alpha(1.0, 1.0, 0.5), torch.tensor([[25, 30, 40, 50, 64, 65]]))   # 1 (50 >= 25) both evict: the
-    assert c.budgets == (20, 36, 80)         # latest, bin 1, dropped what bin 2 missed last: 24 -> 36
-    c = controller((20, 24, 80))             # bin 2 fails at contexts up to 200 (past the last bin: counted in it)
-    c.update(alpha(1.0, 1.0, 0.5), torch.tensor([[25, 30, 40, 50, 90, 200]]))
+    row = torch.tensor([[5, 6, 40, 41, 64, 65]])
+    c = controller((24, 55, 64))             # bin 0 leaves 24 tokens at context 31, so at 63 the row holds 56 =
+    c.update(alpha(1.0, 0.5, 0.75), row)     # 55 + 1: bin 1 compresses, 55 -> 83 (bin 2 lifted with it); bin 2,
+    assert c.budgets == (24, 83, 83)         # at the threshold, holds
+    c = controller((24, 56, 64))             # at 56, 56 tokens are not 57: bin 1 compresses nothing, bin 0 is the
+    c.update(alpha(1.0, 0.5, 0.75), row)     # culprit, 24 -> 36; not lowered, since bin 1 after it failed
+    assert c.budgets == (36, 56, 64)
+    c = controller((20, 24, 80))             # a row at contexts 25-65: bin 2 fails, compresses nothing (the row
+    c.update(alpha(1.0, 1.0, 0.5), torch.tensor([[25, 30, 40, 50, 64, 65]]))   # holds <= 26); bins 0 (from
+    assert c.budgets == (20, 36, 80)         # 26) and 1 (from 36) both do: the latest, bin 1, is raised, 24 -> 36
+    c = controller((20, 24, 80))             # bin 2 fails at contexts up to 200 (past the last bin: counted in it),
+    c.update(alpha(1.0, 1.0, 0.5), torch.tensor([[25, 30, 40, 50, 90, 200]]))   # compressing from 120 on:
     assert c.budgets == (20, 24, 100)        # 80 * 1.5 = 120, capped at high = 100
     c = controller((24, 40, 64))             # every bin holds: lowered by 8, bin 0 floored at low = 20; bin 1 sits
     c.update(alpha(1.0, 0.875, 1.0), torch.tensor([[5, 6, 40, 41, 64, 65]]))   # at threshold + band: kept
