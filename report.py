@@ -122,7 +122,8 @@ def read_run(folder):
     for name in ("metrics.jsonl", "eval.jsonl"):
         path = Path(folder) / name
         if not path.is_file():
-            raise ValueError(f"{folder!r} is not a train.py run folder: it holds no {name}")
+            raise ValueError(f"{folder!r} is not a train.py run folder: it holds no {name}"
+                             + (" (results/runs is made by `bash reproduce.sh`)" if "results/runs" in str(folder) else ""))
         text, lines = [line for line in path.read_text().splitlines() if line.strip()], []
         for number, line in enumerate(text, 1):
             try:
@@ -376,7 +377,8 @@ def keeps(args):
     """Draw, for one held-out prompt of the warm-up's task, which positions each policy keeps at each step."""
     made = Path(args.model, "warmup.json")
     if not made.is_file():
-        raise ValueError(f"no toy warm-up in {args.model!r} (no warmup.json): run `python train.py` first")
+        raise ValueError(f"no toy warm-up in {args.model!r} (no warmup.json): run `python train.py` first (it makes "
+                         "out/warmup) and pass --model out/warmup, or make results/runs with `bash reproduce.sh`")
     settings = json.loads(made.read_text())
     run = TOY_TASKS[settings["task"]]
     if (args.budget is not None and args.budget < 1) or args.example < 0:

@@ -318,7 +318,8 @@ def load_jsonl(path):
     """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: no such data file")
+        raise ValueError(f"{path}: no such data file" + (" (GSM8K: README \"A real model on your CPU\" says where "
+                         "to get train.jsonl and test.jsonl)" if "gsm8k" in str(path).lower() else ""))
     examples = []
     try:
         with path.open(encoding="utf-8") as lines:
