@@ -63,7 +63,7 @@ def sparse_config(args, policy=None, budget=None, longest_prompt=0):
         fixed = SparseConfig(policy or args.policy, args.budget if budget is None else budget, args.interval,
                              args.window, args.sink, page_size=args.page_size, dense_layers=args.dense_layers)
     except ValueError as error:   # an evaluation's cache: name the flags that made it
-        raise ValueError(f"--eval-policies {policy} --eval-budgets {budget}: {error}" if policy else error) from None
+        raise ValueError(f"the evaluation cache {policy} at budget {budget}: {error}" if policy else error) from None
     if policy is not None:
         return fixed
     if args.controller is not None:

@@ -111,7 +111,7 @@ def test_dense_grpo_raises_the_reward(tmp_path, warm):
 @pytest.mark.parametrize("argv, message", [
     (["--resume"], "--resume: no checkpoint step-NNNNNN in"),
     (["--steps", "0", "--eval-policies", "blocktopk", "--eval-budgets", "2"],
-     "--eval-policies blocktopk --eval-budgets 2: budget=2 must be >= page_size = 4"),
+     "the evaluation cache blocktopk at budget 2: budget=2 must be >= page_size = 4"),
     (["--model", "./no/such/folder"], "model './no/such/folder' is neither an existing folder, a GGUF file"),
     (["--model", "no/such.gguf"], "GGUF file 'no/such.gguf' does not exist"),
     (["--budget", "3", "--window", "2", "--sink", "2"], "budget=3 must be >= window \\+ sink"),
