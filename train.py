@@ -155,7 +155,9 @@ def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, st
                             captured=args.captured)
     rewards = rewards_of(rollouts, group, tokenizer, reward)
     metrics = dict(step=step, reward=rewards.mean().item(), accuracy=(rewards == 1).float().mean().item())
-    if args.keep < args.group_size:                                  # PODS: train on the m most informative
+    # PODS: train on the m most informative, re-scored alone (PODS's saving): every measurement below (rho,
+    # alpha, its tail per bin, the controller's probe) describes the kept rollouts, not all n sampled
+    if args.keep < args.group_size:
         keep = C.downsample(rewards, args.group_size, args.keep, args.downsample, torch.Generator().manual_seed(seed))
         rollouts, rewards = rollouts.select(keep), rewards[keep]
     t1 = time.perf_counter()
