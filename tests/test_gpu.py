@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import sampler
+import schedule
 import train
 from correction import dense_logprobs
 from kvcache import KVCache, SparseConfig
@@ -119,6 +120,19 @@ def test_dense_logprobs_equal_the_samplers_with_a_full_cache():
     logp, topk = dense_logprobs(model, out, batch_size=2, topk=True)
     assert (logp - out.logprobs).abs().max() < 1e-4
     assert (topk - out.topk_logprobs)[out.mask > 0].abs().max() < 1e-4
+
+
+def test_calibrate_runs_on_the_device_and_reports_what_a_fresh_measure_finds():
+    # schedule.py --calibrate --device cuda: measure's alpha and contexts live on the model's device, the blame
+    # rule reads them on the host. The rows it reports are the tails of one more measure under its schedule.
+    model = tiny_model("llama").to(DEVICE)
+    sparse = SparseConfig("snapkv", budget=4, interval=2, window=2, sink=1, kernel=3)
+    found, rows = schedule.calibrate(model, PROMPTS * 2, [4, 6, 8, 12, 16], threshold=0.97, bin_size=8,
+                                     sparse=sparse, max_new_tokens=24)   # on the CPU: re-measured 3 times
+    alpha, contexts = schedule.measure(model, PROMPTS * 2, SparseConfig(**{**vars(sparse), "schedule": found}), 24)
+    assert alpha.device.type == DEVICE.type
+    tails = schedule.by_bin(alpha, contexts, found, 8)[0]
+    assert [r["tail"] for r in rows] == pytest.approx(tails.tolist(), nan_ok=True)
 
 
 @pytest.mark.parametrize("argv, steps", [([], 3), (["--correction", "sparse-rl", "--policy", "random"], 2),
