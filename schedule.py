@@ -101,6 +101,14 @@ piecewise = Schedule   # Sparrow's schedule under its name in the paper: `budget
 
 # ----------------------------------------------------------------------------- measuring the tail
 
+def check_bins(bin_size, q):
+    """A ValueError naming the bad value unless bin_size is a positive integer and the quantile q lies in [0, 1]."""
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must lie in [0, 1], got {q}")
+    if not isinstance(bin_size, int) or bin_size < 1:
+        raise ValueError(f"bin_size must be a positive integer, got {bin_size!r}")
+
+
 def tail_by_bin(alpha, positions, bin_size, q=0.05):
     """The q-quantile of the acceptance per length bin (section 4: the paper's tail statistic).
 
@@ -109,10 +117,7 @@ def tail_by_bin(alpha, positions, bin_size, q=0.05):
     Returns (tails [n_bins] float64, nan where a bin is empty; counts [n_bins] long), n_bins = the
     largest real position // bin_size + 1 (0 when no token is real): no empty trailing bin.
     """
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"q must lie in [0, 1], got {q}")
-    if not isinstance(bin_size, int) or bin_size < 1:
-        raise ValueError(f"bin_size must be a positive integer, got {bin_size!r}")
+    check_bins(bin_size, q)
     real = positions >= 0
     alpha, which = alpha[real].double(), positions[real] // bin_size
     n = int(which.max()) + 1 if which.numel() else 0
@@ -241,6 +246,7 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
     """
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
+    check_bins(bin_size, q)                                            # before the first generation
     options = sorted(set(candidates)) + [None]                         # None: dense
     tails = [tail_by_bin(*measure(model, prompts, replace(sparse, budget=c, schedule=None), max_new_tokens,
                                   **sampling), bin_size, q)[0] for c in options[:-1]]
@@ -288,6 +294,9 @@ class Controller:
             raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
         if not 1 <= low <= start <= high:
             raise ValueError(f"need 1 <= low <= start <= high, got {low}, {start}, {high}")
+        if not (up > 1 and step >= 0 and band >= 0):
+            raise ValueError(f"need up > 1, step >= 0 and band >= 0, got {up}, {step}, {band}")
+        check_bins(bin_size, q)
         self.threshold, self.bin_size, self.low, self.high, self.interval = threshold, bin_size, low, high, interval
         self.page_size = page_size
         self.step, self.up, self.band, self.min_tokens, self.q = step, up, band, min_tokens, q

@@ -406,6 +406,11 @@ def test_speedup_of_a_full_budget_is_one_and_a_small_budget_saves():
     (lambda: Controller(threshold=1.5), "threshold must lie in \\[0, 1\\], got 1.5"),
     (lambda: calibrate(None, PROMPTS, [8], threshold=-0.1), "threshold must lie in \\[0, 1\\], got -0.1"),
     (lambda: tail_by_bin(torch.ones(2), torch.zeros(2, dtype=torch.long), 0), "bin_size must be a positive"),
+    (lambda: calibrate(None, PROMPTS, [8], bin_size=0), "bin_size must be a positive integer, got 0"),   # before
+    (lambda: calibrate(None, PROMPTS, [8], q=5), "q must lie in \\[0, 1\\], got 5"),         # the model is used
+    (lambda: Controller(bin_size=16.0), "bin_size must be a positive integer, got 16.0"),
+    (lambda: Controller(up=1.0), "need up > 1, step >= 0 and band >= 0, got 1.0, 8, 0.03"),
+    (lambda: Controller(step=-8), "need up > 1, step >= 0 and band >= 0, got 1.5, -8, 0.03"),
 ])
 def test_bad_input_is_a_clear_error(make, message):
     with pytest.raises(ValueError, match=message):
