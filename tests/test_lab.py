@@ -72,7 +72,7 @@ def test_the_stub_keeps_signature_docstring_and_checks(repo, n):
     assert [ast.dump(s) for s in stub.body[:-1]] == [ast.dump(s) for s in original.body[:kept]]
     assert len(stub.body) == kept + 1 and f"exercise {n}:" in ast.unparse(stub.body[-1])
     # exactly the ValueError checks at the top (the docstring counts 1): none in snapkv
-    assert kept - 1 == {1: 3, 2: 4, 3: 0, 4: 2, 5: 4}[n]   # 5: check_groups, n = group_size, two ifs
+    assert kept - 1 == {1: 3, 2: 4, 3: 0, 4: 1, 5: 4}[n]   # 4: check_bins; 5: check_groups, n = group_size, two ifs
 
 
 def test_the_stubs_still_check_their_arguments(repo):
