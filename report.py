@@ -377,8 +377,7 @@ def keeps(args):
     """Draw, for one held-out prompt of the warm-up's task, which positions each policy keeps at each step."""
     made = Path(args.model, "warmup.json")
     if not made.is_file():
-        raise ValueError(f"no toy warm-up in {args.model!r} (no warmup.json): run `python train.py` first (it makes "
-                         "out/warmup) and pass --model out/warmup, or make results/runs with `bash reproduce.sh`")
+        raise ValueError(f"no warmup.json in {args.model!r}: pass --model out/warmup (`python train.py` makes it)")
     settings = json.loads(made.read_text())
     run = TOY_TASKS[settings["task"]]
     if (args.budget is not None and args.budget < 1) or args.example < 0:

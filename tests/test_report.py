@@ -204,6 +204,12 @@ def test_inference_and_keeps_refuse_bad_flags_before_loading(tmp_path, monkeypat
         report.main(argv + ["--model", str(tmp_path)] + where)
 
 
+def test_keeps_without_a_warm_up_names_the_folder_and_the_one_to_pass(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit, match=f"^error: no warmup.json in '{tmp_path}': pass --model out/warmup"):
+        report.main(["keeps", "--model", str(tmp_path)])
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--interval", "0", "--batch-size", "-1"], "--interval must be >= 1, got 0$"),    # the first bad one, in order
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0$"),
