@@ -139,7 +139,7 @@ def by_bin(alpha, positions, schedule, bin_size, interval=1, q=0.05):
     alpha, positions = alpha.cpu(), positions.cpu()                  # measure's are on the model's device
     n, real = len(schedule.bins), positions >= 0
     which = (positions[real] // bin_size).clamp(max=n - 1)
-    tails, counts = tail_by_bin(alpha[real], which * bin_size, bin_size, q)
+    tails = tail_by_bin(alpha[real], which * bin_size, bin_size, q)[0]                # up to the last bin with a token
     tails = torch.cat([tails, torch.full((n - len(tails),), float("nan"), dtype=torch.float64)])
     longest = torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, which, positions[real], "amax")
     return tails, torch.bincount(which, minlength=n), longest, compressed_bins(positions, schedule, bin_size, interval)
