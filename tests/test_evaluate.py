@@ -175,3 +175,14 @@ def test_the_command_line_is_train_py_steps_0(monkeypatch):
         with pytest.raises(SystemExit, match="^error: evaluate.py never trains"):
             evaluate.main(steps)
     assert len(calls) == 1
+
+
+def test_each_command_line_says_what_it_does_in_its_help(capsys):
+    heads = {}
+    for name, run in (("train", lambda: train.parse_args(["--help"])), ("evaluate", lambda: evaluate.main(["--help"]))):
+        with pytest.raises(SystemExit):
+            run()
+        heads[name] = " ".join(capsys.readouterr().out.split("\n\n")[1].split())   # after the usage, before the flags
+    assert heads["train"].startswith("Sparse-RL: GRPO on rollouts") and "Greedy" not in heads["train"]
+    assert heads["evaluate"].startswith("Greedy accuracy on held-out prompts") and "GRPO on" not in heads["evaluate"]
+    assert "command line of train.py" not in heads["train"] + heads["evaluate"]   # cli.py's docstring, not a command's
