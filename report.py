@@ -160,7 +160,8 @@ def comparison_rows(groups, robust=None):
     line above the table says what each column holds; accuracies as mean ± std over seeds, the rest as means.
     `robust`: {variant: [[accuracy at each budget B] per seed]}. Where that line is brief:
 
-    steps              the last evaluation's step (a run cut short by a time limit ends before its --steps)
+    steps              the last evaluation's step (a run cut short by a time limit ends before its --steps):
+                       "first-last" where the seeds end at different steps (`report_text` says which)
     sparse before RL   what eviction costs the warm-started model
     of first's gain    "-" unless the first variant's gain exceeds its std over seeds (a ratio to noise is noise)
     """
@@ -171,7 +172,8 @@ def comparison_rows(groups, robust=None):
     rows = []
     for variant, runs in groups.items():
         metrics, evals = [m for m, _ in runs], [e for _, e in runs]
-        row = [variant, len(runs), f"{np.mean([e[-1]['step'] for e in evals]):g}",
+        ends = sorted({e[-1]["step"] for e in evals})
+        row = [variant, len(runs), f"{ends[0]}-{ends[-1]}" if len(ends) > 1 else str(ends[0]),
                pm([e[0]["dense"] for e in evals]), pm([e[0]["sparse"] for e in evals]),
                pm([e[-1]["dense"] for e in evals]), pm([e[-1]["sparse"] for e in evals]), pm(gain(evals)),
                f"{np.mean(gain(evals)) / first:.0%}" if first else "-"]
@@ -248,6 +250,10 @@ def report_text(groups, budgets=(), robust=None):
             "peak KV against a full cache, the share of response tokens the rejection dropped, the responses it "
             "vetoed, and the seconds spent sampling, re-scoring and updating (in all, then per step and by part).", "",
             markdown(header, comparison_rows(groups, robust))]
+    for variant, runs in groups.items():   # an unfinished seed moves its variant's means: said, not hidden
+        if len(ends := sorted({e[-1]["step"] for _, e in runs})) > 1:
+            text += ["", f"Note: the seeds of {variant} end at different steps ({', '.join(map(str, ends))}; a run cut "
+                     "short ends early), so its 'after' columns and times average runs of different lengths."]
     tails = tail_by_variant(groups)
     bins = sorted({b for t in tails.values() for b in t})
     text += ["", "Acceptance tail by context length: the 5th percentile of alpha = 1 - TV(p_dense, p_sparse) "

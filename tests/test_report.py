@@ -343,12 +343,16 @@ def test_read_run_forgives_a_half_written_last_line_only(tmp_path, text, message
     assert [m["step"] for m in report.read_run(folder)[0]] == [1, 2]
 
 
-def test_steps_is_the_mean_over_seeds_of_each_last_evaluation(tmp_path):
-    # one seed cut short by a time limit at step 2, the other reached step 5: (2 + 5) / 2 = 3.5, not the max 5
+def test_seeds_that_end_at_different_steps_are_shown_and_said(tmp_path):
+    # one seed cut short by a time limit at step 2, the others reached step 5: "2-5" (a mean, 4, would hide it)
     steps = [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in (1, 2)]
     groups = {"v": [report.read_run(write_run(tmp_path / f"v-s{i}", steps, [(0, .5, .5), (last, .6, .6)]))
-                    for i, last in enumerate((2, 5))]}
-    assert report.comparison_rows(groups)[0][:3] == ["v", 2, "3.5"]
+                    for i, last in enumerate((2, 5, 5))],
+              "w": [report.read_run(write_run(tmp_path / f"w-s{i}", steps, [(0, .5, .5), (5, .6, .6)])) for i in (0, 1)]}
+    assert [row[:3] for row in report.comparison_rows(groups)] == [["v", 3, "2-5"], ["w", 2, "5"]]
+    notes = [l for l in report.report_text(groups).splitlines() if l.startswith("Note:")]
+    assert notes == ["Note: the seeds of v end at different steps (2, 5; a run cut short ends early), so its 'after' "
+                     "columns and times average runs of different lengths."]
 
 
 def test_the_mean_curve_averages_the_steps_every_seed_logged():
