@@ -404,11 +404,15 @@ def main(argv=None):
                         "bench.json; bench_quick.json with --quick); with --gpu the markdown, the JSON beside it "
                         "(default results/bench_gpu.md; bench_gpu_quick.md with --quick)")
     parser.add_argument("--repeats", type=int, default=None, help="rounds of the throughput runs (median)")
+    parser.add_argument("--deadline", type=float, default=None, help="with --gpu: seconds after which rows not yet "
+                        "begun are skipped (none: bench_gpu.GPU's 300, --quick 600)")
     parser.add_argument("--model", default=None, help="a pretrained model instead of the random one: HF "
                         "folder, hub id, GGUF file or smollm2-135m (see models.py); JSON: results/bench_<name>.json")
     args = parser.parse_args(argv)
     if args.quick and args.model:
         parser.error("--quick runs the tiny random model; it cannot be combined with --model")
+    if args.deadline is not None and not (args.gpu and args.deadline >= 0):
+        parser.error(f"--deadline goes with --gpu and must be >= 0, got {args.deadline}" + ("" if args.gpu else " without --gpu"))
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.out and (Path(args.out).is_dir() or args.out.endswith(("/", os.sep))):   # now, not after the bench

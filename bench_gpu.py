@@ -18,11 +18,13 @@ so no row runs a whole rollout. Instead:
   cache at its own batch over the same steps.
 - A captured row (static.py, CUDA graphs) is timed the same way; its window pays for the graphs it captures.
 Every timing reads `sampler.clock(device)` (synchronised). Rows are written to --out as they complete, and rows
-not begun by `deadline` seconds as skipped (a session has 15 minutes of device time: gpu_check.sh); progress goes to
-stderr. Measurements, never assertions."""
+not begun by `deadline` seconds (--deadline) as skipped (a session has 15 minutes of device time: gpu_check.sh), and
+a row that fails as its error, the rest still measured (`attempt`); progress goes to stderr. Measurements, never
+assertions."""
 import gc
 import json
 import time
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -200,6 +202,20 @@ def late(s):
     return time.perf_counter() > s["stop_at"]
 
 
+def attempt(record, label, measure):
+    """measure(), or None where it raises: the row's error (its traceback on stderr) goes into record["errors"],
+    and what it held is freed, so that one broken row costs only itself: the rows and tables after it and the
+    targets are still measured, in the one device call a session has. A time limit's SIGINT still ends the run."""
+    try:
+        return measure()
+    except Exception as error:
+        traceback.print_exc()
+        record["errors"][label] = f"{type(error).__name__}: {error}".split("\n")[0]
+        log(f"{label}: {record['errors'][label]}")
+    reset_peak(record["device"])
+    return None
+
+
 def measure_row(model, s, sampler, length, extra, bandwidth, weights):
     """One row of table 1: `window_run` as `plan` says, plus the bandwidth share and the KV formulas (bf16)."""
     prompt_len, steps, first = plan(s, sampler, length)
@@ -231,7 +247,12 @@ def table_1(model, s, report, record, bandwidth, weights):
         if late(s):
             report.row([label, stands, "skipped: past the deadline"] + ["-"] * 9)
             continue
-        rows[f"{label} {length}"] = r = measure_row(model, s, sampler, length, extra, bandwidth, weights)
+        r = attempt(record, f"table 1: {label} {length}",
+                    lambda: measure_row(model, s, sampler, length, extra, bandwidth, weights))
+        if r is None:
+            report.row([label, stands, "error: " + record["errors"][f"table 1: {label} {length}"]] + ["-"] * 9)
+            continue
+        rows[f"{label} {length}"] = r
         hf = rows.get(f"{HF} {length}", {}).get("tokens")
         same = "-" if sampler == HF or hf is None else agreement(r["tokens"], hf)
         window = f"{r['steps'] - s['window']}-{r['steps']}"
@@ -255,11 +276,14 @@ def table_2(s, report, record, device):
     model = bench.build_model(shape).to(device, DTYPE)
     for sampler in (HF, "full"):
         prompt_len, steps, first = plan(shape, sampler, "new")
+        label, timed_what = sampler if sampler == HF else "ours full", f"context {first}-{first + shape['window']}"
         log(f"table 2: {sampler}, prompt {prompt_len}, {steps} steps")
-        r = window_run(model, shape, sampler, prompt_len, steps)
+        r = attempt(record, f"table 2: {label}", lambda: window_run(model, shape, sampler, prompt_len, steps))
+        if r is None:
+            report.row([label, timed_what, "error: " + record["errors"][f"table 2: {label}"], "-"])
+            continue
         record["shape"][sampler] = r["tokens_per_s"]
-        report.row([sampler if sampler == HF else "ours full", f"context {first}-{first + shape['window']}",
-                    f"{r['tokens_per_s']:.0f}", ratio(r["tokens_per_s"], record["shape"][HF])])
+        report.row([label, timed_what, f"{r['tokens_per_s']:.0f}", ratio(r["tokens_per_s"], record["shape"].get(HF))])
 
 
 def table_3(model, s, report, record):
@@ -279,11 +303,15 @@ def table_3(model, s, report, record):
             continue
         log(f"table 3: re-scoring at micro-batch {batch}")
         reset_peak(device)
-        try:
-            seconds, _ = timed(lambda: dense_logprobs(model, rollouts, batch_size=batch, topk=True), device)
-            peak = peak_bytes(device)
-        except torch.OutOfMemoryError:
-            seconds, peak = None, "out of memory"
+
+        def rescore():   # running out of memory is a measurement here, not an error
+            try:
+                seconds, _ = timed(lambda: dense_logprobs(model, rollouts, batch_size=batch, topk=True), device)
+                return seconds, peak_bytes(device)
+            except torch.OutOfMemoryError:
+                return None, "out of memory"
+        label = f"table 3: micro-batch {batch}"
+        seconds, peak = attempt(record, label, rescore) or (None, f"error: {record['errors'].get(label)}")
         record["rescore"][batch] = dict(seconds=seconds, peak_bytes=peak)
         report.row([batch, peak if seconds is None else size(peak), size(batch * T * s["vocab"] * 4),
                     "-" if seconds is None else f"{seconds:.2f}"])
@@ -365,7 +393,12 @@ def table_4(model, s, report, record, bandwidth, weights):
         if late(s):
             report.row([label, "skipped: past the deadline"] + ["-"] * 6)
             continue
-        record["batch"][sampler] = r = measure_batch(model, s, sampler, steps, first + s["window"] / 2, bandwidth, weights)
+        r = attempt(record, f"table 4: {label}",
+                    lambda: measure_batch(model, s, sampler, steps, first + s["window"] / 2, bandwidth, weights))
+        if r is None:
+            report.row([label, "error: " + record["errors"][f"table 4: {label}"]] + ["-"] * 6)
+            continue
+        record["batch"][sampler] = r
         speed, share = r["tokens_per_s"], r.get("bandwidth_share")
         batch = f"{r['found']}" + (" (the cap)" if r["found"] == s["search_cap"] else "")
         if r["batch"] != r["found"]:
@@ -406,14 +439,15 @@ def targets(s, report, record):
 def main(args):
     """The one-GPU bench (`bench.py --gpu`): tables 1-4 and the targets into args.out, a JSON record beside it."""
     if args.model or args.repeats:
-        raise SystemExit("bench.py --gpu takes --quick and --out only")
+        raise SystemExit("bench.py --gpu takes --quick, --out and --deadline only")
     s, device = dict(TINY if args.quick else GPU), torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    s["deadline"] = s["deadline"] if args.deadline is None else args.deadline
     started = time.perf_counter()
     s["stop_at"] = started + s["deadline"]   # the deadline as a moment, kept with the settings every table reads
     if device.type != "cuda" and not args.quick:
         raise SystemExit("bench.py --gpu: torch sees no GPU, and the 1.7B shape on a CPU takes hours (--quick: tiny)")
     out = Path(args.out or ("results/bench_gpu_quick.md" if args.quick else "results/bench_gpu.md"))   # quick: not the record
-    report, record = Report(out), dict(settings=s, rows={}, shape={}, rescore={}, batch={})
+    report, record = Report(out), dict(settings=s, rows={}, shape={}, rescore={}, batch={}, errors={}, device=device)
     machine = f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}" if device.type == "cuda" else "CPU"
     machine += f", torch {torch.__version__}"
     log(f"measuring copy bandwidth on {device}")
@@ -436,4 +470,7 @@ def main(args):
         for row in [*record["rows"].values(), *record["batch"].values()]:   # the token tensors stay out of the JSON
             row.pop("tokens", None)
         out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
+    if record["errors"]:   # measured around them, but a failed row is a failed run: gpu_check.sh says so
+        raise SystemExit(f"bench.py --gpu: {len(record['errors'])} row(s) failed (tracebacks above): "
+                         + "; ".join(f"{k}: {v}" for k, v in record["errors"].items()))
     return record

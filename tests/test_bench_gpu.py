@@ -122,12 +122,33 @@ def test_the_batch_search_allocates_under_a_fake_memory_limit(monkeypatch):
 
 
 def test_rows_past_the_deadline_are_written_as_skipped(tmp_path, monkeypatch):
-    monkeypatch.setitem(bench_gpu.TINY, "deadline", 0)
-    record = bench.main(["--gpu", "--quick", "--out", str(tmp_path / "late.md")])
+    record = bench.main(["--gpu", "--quick", "--deadline", "0", "--out", str(tmp_path / "late.md")])
     text = (tmp_path / "late.md").read_text()
     skipped = len(bench_gpu.ROWS) + 1 + len(bench_gpu.TINY["rescore_batches"]) + 2   # tables 1, 2, 3, 4
     assert record["rows"] == {} and text.count("skipped: past the deadline") == skipped
     assert "| ... and turns it into more tokens/s | - |" in text
+
+
+def test_a_row_that_fails_costs_only_itself_and_the_run_exits_naming_it(tmp_path, monkeypatch, capsys):
+    # one device call a session: a broken row (here the eviction rows of table 1 and table 4's batch search) must
+    # not lose the tables after it; its error is its cell, the run still writes its targets, and exits non-zero
+    window_run = bench_gpu.window_run
+
+    def broken(model, s, sampler, *args, **kwargs):
+        if sampler == "h2o":
+            raise RuntimeError("h2o is broken\nsecond line")
+        return window_run(model, s, sampler, *args, **kwargs)
+    monkeypatch.setattr(bench_gpu, "window_run", broken)
+    monkeypatch.setattr(bench_gpu, "largest_batch", lambda *a: 1 / 0)
+    with pytest.raises(SystemExit, match="^bench.py --gpu: 4 row.s. failed .tracebacks above.: table 1: ours h2o any"):
+        bench.main(["--gpu", "--quick", "--out", str(tmp_path / "e.md")])
+    text, saved = (tmp_path / "e.md").read_text(), json.loads((tmp_path / "e.json").read_text())
+    assert "| ours h2o | any length | error: RuntimeError: h2o is broken |" in text and "second line" not in text
+    assert "| ours full | error: ZeroDivisionError: division by zero |" in text
+    assert len(saved["rows"]) == len(bench_gpu.ROWS) - 2 and saved["shape"] and saved["rescore"]   # the rest measured
+    assert set(saved["errors"]) == {"table 1: ours h2o any", "table 1: ours h2o captured=True any",
+                                    "table 4: ours full", f"table 4: ours {bench.LONG_POLICY}, budget 48"}
+    assert "### Targets" in text and "Traceback" in capsys.readouterr().err
 
 
 def test_a_run_cut_short_still_writes_its_targets_and_json(tmp_path, monkeypatch):
