@@ -1,37 +1,40 @@
 #!/usr/bin/env bash
-# The one-GPU checks of README "On one GPU", sized for a session's 15 minutes of device time, the machine's start
-# included: two device calls of ~4.5 and ~5 minutes, the second made at once after the first (a machine stays warm
-# ~30 s after a call; a new start costs 1-2 minutes).
+# The one-GPU checks of README "On one GPU", in ONE device call: a session has 15 minutes of device time, the
+# machine's start (1-2 minutes) included, and a machine left idle for 30 s between two calls goes back (a new
+# start: 1-2 minutes more). So one call of ~8.5 minutes (timeout_s 590) runs, most needed first:
 #
-#   bash gpu_check.sh check   # call 1 (timeout_s 420): the GPU tests, the toy run in fp32 and in bf16, the GPU
-#                             # bench on its tiny shape, and every eager decode step timed per policy (~270 s)
-#   bash gpu_check.sh bench   # call 2 (timeout_s 420): python bench.py --gpu, the 1.7B-shaped bench (~300 s)
-#   DEVICE=cpu bash gpu_check.sh check bench   # here, on the CPU at toy sizes (~1.5 min): checks this script
-#                                               # (tests/test_gpu_check.py runs it so, the GPU tests stubbed)
+#   bash gpu_check.sh      # tests: tests/test_gpu.py (~60-120 s); train: the toy run in fp32 and in bf16 (~55 s
+#                          # each); bench: python bench.py --gpu, the 1.7B-shaped bench (~270 s); steps: every
+#                          # eager decode step timed per policy (~90 s), in what is left
+#   bash gpu_check.sh tests bench         # some of them, in that order (a rerun on the machine still warm)
+#   DEVICE=cpu bash gpu_check.sh          # here, on the CPU at toy sizes (~1.5 min): checks this script
+#                                         # (tests/test_gpu_check.py runs it so, the GPU tests stubbed)
 #
-# Each stage runs under its own time limit, cut to what is left of the call's CALL seconds (default 400, inside
+# Each stage runs under its own time limit, cut to what is left of the call's CALL seconds (default 560, inside
 # the device call's timeout_s), and writes one file to $OUT (the device tool's folder; out/gpu-check where it is
-# unset), so a stage that fails or runs long costs only itself. A stage past its limit gets SIGINT (Ctrl-C: pytest
-# prints its summary, the bench writes its targets and JSON), then SIGKILL 15 s later; its exit code is 124.
-# summary_<steps>.txt says what ran where, each stage's exit code and seconds; the end of the output is a digest
-# of what each stage measured. At most 6 files a call (the device tool returns 8). After the calls: copy
-# bench_gpu.{md,json,log}, train_gpu_{fp32,bf16}.txt and step_times.txt into results/.
+# unset), so a stage that fails or runs long costs only itself; the bench is told to begin no row 75 s before
+# its limit (--deadline). A stage past its limit gets SIGINT (Ctrl-C: pytest prints its summary, the bench writes
+# its targets and JSON), then SIGKILL 15 s later; its exit code is 124. summary.txt says what ran where, each
+# stage's exit code and seconds; the end of the output is a digest of what each stage measured. 7 files at most
+# (the device tool returns 8). After the call: copy bench_gpu.{md,json,log}, train_gpu_{fp32,bf16}.txt and
+# step_times.txt into results/.
 set -uo pipefail
 cd "$(dirname "$0")"
-[ $# -gt 0 ] || { echo "usage: bash gpu_check.sh check|bench ... (DEVICE=cpu: toy sizes on the CPU)" >&2; exit 2; }
-for step in "$@"; do
-    case $step in check|bench) ;; *) echo "unknown step '$step': check or bench" >&2; exit 2 ;; esac
+STEPS=("$@")
+[ $# -gt 0 ] || STEPS=(tests train bench steps)
+for step in "${STEPS[@]}"; do
+    case $step in tests|train|bench|steps) ;; *) echo "unknown step '$step': tests, train, bench or steps" >&2; exit 2 ;; esac
 done
 
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}                      # the GPU image's python3 holds torch; a plain `python` may not exist there
 OUT=${OUT:-out/gpu-check}
-CALL=${CALL:-400}                      # seconds this call may take in all (the device call: timeout_s 420)
-WORK=$(mktemp -d)                      # the training runs' folders and the quick bench's tables: not returned
+CALL=${CALL:-560}                      # seconds this call may take in all (the device call: timeout_s 590)
+WORK=$(mktemp -d)                      # the training runs' folders: not returned
 trap 'rm -rf "$WORK"' EXIT
 export PYTHONUNBUFFERED=1              # a stage cut off at its limit keeps what it printed
 mkdir -p "$OUT"
-SUMMARY="$OUT/summary_$(IFS=_; echo "$*").txt"
+SUMMARY="$OUT/summary.txt"
 FAILED=()
 
 # Every array holds something on both devices: an empty "${a[@]}" fails under `set -u` in bash before 4.4.
@@ -39,13 +42,13 @@ if [ "$DEVICE" = cuda ]; then          # the README's commands, as they are
     TESTS=(env "$PY" -m pytest)        # (GPU_TESTS_DEVICE unset: the tests run on CUDA), in 4 processes where
     "$PY" -c "import xdist" 2>/dev/null && TESTS+=(-n 4)   # pytest-xdist is (the GPU image has it): ~1 minute less
     TRAIN=(--device cuda)              # the quick start's run: 100 warm-up steps, 200 RL steps
-    STEPS=(--device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 320 --budget 512 --interval 128)
+    TIMES=(--device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 320 --budget 512 --interval 128)
     BENCH=(--gpu)
 else                                   # the same commands at toy sizes, to check this script on a CPU
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # beside another job on 2 cores, 2 threads ran 4.5x slower (README)
     TESTS=(env GPU_TESTS_DEVICE=cpu "$PY" -m pytest)
     TRAIN=(--device cpu --steps 4 --warmup-steps 4 --eval-size 8 --eval-every 4)
-    STEPS=(--device cpu --shape layers28 --batch 4 --prompt 32 --new 48 --budget 16 --interval 16)
+    TIMES=(--device cpu --shape layers28 --batch 4 --prompt 32 --new 48 --budget 16 --interval 16)
     BENCH=(--gpu --quick)
 fi
 
@@ -72,17 +75,25 @@ machine() {   # the device, the versions and the time, first in the summary and 
     } 2>&1 | tee -a "$SUMMARY"
 }
 
-check() {   # the GPU tests, the toy run twice, the tiny GPU bench, each eager decode step of five policies timed
-    stage test_gpu.txt 180 "${TESTS[@]}" -vv -rfEs -p no:cacheprovider tests/test_gpu.py
-    stage train_gpu_fp32.txt 120 "$PY" train.py "${TRAIN[@]}" --out "$WORK/fp32"
-    stage train_gpu_bf16.txt 120 "$PY" train.py "${TRAIN[@]}" --dtype bfloat16 --out "$WORK/bf16"
-    stage bench_quick.txt 60 "$PY" bench.py --gpu --quick --out "$WORK/quick.md"
-    stage step_times.txt 150 "$PY" static.py "${STEPS[@]}" --rounds 1 --policies full,streaming,snapkv,rkv,h2o \
-        --step-times
+tests() {   # the GPU tests
+    stage test_gpu.txt 150 "${TESTS[@]}" -vv -rfEs -p no:cacheprovider tests/test_gpu.py
 }
 
-bench() {   # tables 1-4 and the targets; bench_gpu.py begins no row after its deadline (300 s), so it ends by ~370 s
-    stage bench_gpu.log 380 "$PY" bench.py "${BENCH[@]}" --out "$OUT/bench_gpu.md"
+train() {   # the quick start's toy run, in fp32 and in bf16
+    stage train_gpu_fp32.txt 100 "$PY" train.py "${TRAIN[@]}" --out "$WORK/fp32"
+    stage train_gpu_bf16.txt 100 "$PY" train.py "${TRAIN[@]}" --dtype bfloat16 --out "$WORK/bf16"
+}
+
+bench() {   # tables 1-4 and the targets; no row begun in the last 75 s of its limit (the longest takes ~50 s)
+    local limit=$((CALL - SECONDS - 20))
+    [ "$limit" -le 380 ] || limit=380
+    stage bench_gpu.log "$limit" "$PY" bench.py "${BENCH[@]}" --deadline $((limit > 75 ? limit - 75 : 0)) \
+        --out "$OUT/bench_gpu.md"
+}
+
+steps() {   # each eager decode step of five policies timed, in what is left of the call
+    stage step_times.txt 150 "$PY" static.py "${TIMES[@]}" --rounds 1 --policies full,streaming,snapkv,rkv,h2o \
+        --step-times
 }
 
 digest() {   # what each stage measured, last on the screen: the device tool's reply carries the output's end
@@ -94,14 +105,15 @@ digest() {   # what each stage measured, last on the screen: the device tool's r
             *test_gpu.txt) grep -E "^(FAILED|ERROR)| (passed|failed|error)" "$f" | tail -n 20 || tail -n 5 "$f" ;;
             *train_gpu_*) grep -E "^\||^peak KV|^the correction|^training reward|^wall time" "$f" || tail -n 5 "$f" ;;
             *step_times.txt) tail -n 6 "$f" ;;
-            *bench_gpu.md) echo "rows skipped past the deadline: $(grep -c "skipped: past the deadline" "$f")"
+            *bench_gpu.md) echo "rows skipped past the deadline: $(grep -c "skipped: past the deadline" "$f")," \
+                                "rows failed: $(grep -c "| error: " "$f")"
                            sed -n '/^### Targets/,$p' "$f" ;;
         esac
     done
 }
 
 machine
-for step in "$@"; do "$step"; done
+for step in "${STEPS[@]}"; do "$step"; done
 digest
 echo "$(date +%T) done in $SECONDS s: $(ls "$OUT" | tr '\n' ' ')" | tee -a "$SUMMARY"
 [ ${#FAILED[@]} = 0 ] || { echo "failed: ${FAILED[*]} (see each file in $OUT)" | tee -a "$SUMMARY" >&2; exit 1; }

@@ -1,4 +1,4 @@
-"""gpu_check.sh, the two device calls of README "On one GPU". Run here at toy sizes (DEVICE=cpu): every stage's
+"""gpu_check.sh, the one device call of README "On one GPU". Run here at toy sizes (DEVICE=cpu): every stage's
 command is one the current code accepts, each writes its file, a call returns what the device tool can carry, and
 a stage that fails or runs out of time costs only itself. The GPU's own command lines (DEVICE=cuda) are recorded
 by a stub interpreter and checked against each script's argument parser. The GPU tests' stage is stubbed (CI runs
@@ -20,7 +20,7 @@ import static
 from kvcache import SparseConfig
 
 SCRIPT = Path(__file__).resolve().parent.parent / "gpu_check.sh"
-CHECK = ["test_gpu.txt", "train_gpu_fp32.txt", "train_gpu_bf16.txt", "bench_quick.txt", "step_times.txt"]
+STAGES = ["test_gpu.txt", "train_gpu_fp32.txt", "train_gpu_bf16.txt", "bench_gpu.log", "step_times.txt"]
 
 
 def run(tmp_path, *steps, broken="no such command", slow="no such command", device="cpu", **env):
@@ -41,10 +41,9 @@ def run(tmp_path, *steps, broken="no such command", slow="no such command", devi
 
 
 @pytest.fixture(scope="module")
-def calls(tmp_path_factory):
-    """The two device calls, each into a folder of its own as the device tool gives: {step: (process, folder)}."""
-    tmp = tmp_path_factory.mktemp("gpu_check")
-    return {step: run(tmp / step, step) for step in ("check", "bench")}
+def call(tmp_path_factory):
+    """The device call, `bash gpu_check.sh` with no step named: (process, its folder)."""
+    return run(tmp_path_factory.mktemp("gpu_check"))
 
 
 def stages(summary):
@@ -53,67 +52,71 @@ def stages(summary):
             for line in summary.splitlines() if ": exit " in line or ": not run" in line]
 
 
-def test_every_stage_of_both_calls_runs_and_exits_0(calls):
-    for step, names in (("check", CHECK), ("bench", ["bench_gpu.log"])):
-        done, out = calls[step]
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert stages((out / f"summary_{step}.txt").read_text()) == [(name, "exit 0") for name in names]
-    assert "GPU_TESTS_DEVICE=cpu" in (calls["check"][1] / "summary_check.txt").read_text()
-    assert "tests/test_gpu.py" in (calls["check"][1] / "test_gpu.txt").read_text()
+def test_every_stage_runs_in_order_and_exits_0(call):
+    done, out = call
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert stages((out / "summary.txt").read_text()) == [(name, "exit 0") for name in STAGES]
+    assert "GPU_TESTS_DEVICE=cpu" in (out / "summary.txt").read_text()
+    assert "tests/test_gpu.py" in (out / "test_gpu.txt").read_text()
 
 
-def test_a_call_returns_at_most_what_the_device_tool_carries(calls):
-    """The device tool brings back 8 files from a call: each leaves its stages' files and its summary, 6 at most."""
-    for step, files in (("check", CHECK), ("bench", ["bench_gpu.log", "bench_gpu.md", "bench_gpu.json"])):
-        assert sorted(p.name for p in calls[step][1].iterdir()) == sorted(files + [f"summary_{step}.txt"])
+def test_the_call_returns_at_most_what_the_device_tool_carries(call):
+    """The device tool brings back 8 files from a call: its stages' files, the bench's tables, the summary."""
+    assert sorted(p.name for p in call[1].iterdir()) == sorted(STAGES + ["bench_gpu.md", "bench_gpu.json", "summary.txt"])
 
 
-def test_each_stage_wrote_what_it_measures_and_the_digest_shows_it(calls):
-    check, bench_out = calls["check"][1], calls["bench"][1]
+def test_each_stage_wrote_what_it_measures_and_the_digest_shows_it(call):
+    done, out = call
     for precision in ("fp32", "bf16"):   # the toy run's summary table, as the README quotes it
-        text = (check / f"train_gpu_{precision}.txt").read_text()
+        text = (out / f"train_gpu_{precision}.txt").read_text()
         assert "| before RL |" in text and "| after RL  |" in text and "wall time:" in text
-    steps = (check / "step_times.txt").read_text()
+    steps = (out / "step_times.txt").read_text()
     for policy in ("full", "streaming", "snapkv", "rkv", "h2o"):
         assert f"{policy:>10}: mean step" in steps
-    record = json.loads((bench_out / "bench_gpu.json").read_text())
-    assert record["targets"] and "### Targets" in (bench_out / "bench_gpu.md").read_text()
+    record = json.loads((out / "bench_gpu.json").read_text())
+    assert record["targets"] and "### Targets" in (out / "bench_gpu.md").read_text()
     # the digest, last on the screen, which is what the device tool's reply shows
-    shown = calls["check"][0].stdout.split("\n== ")[1:]
+    shown = done.stdout.split("\n== ")[1:]
     assert [part.split("\n")[0] for part in shown] == ["test_gpu.txt", "train_gpu_bf16.txt", "train_gpu_fp32.txt",
-                                                        "step_times.txt"]
+                                                        "step_times.txt", "bench_gpu.md"]
     assert shown[0].split("\n")[1].startswith("pytest ")       # no summary line: the stage's last lines
     assert "| after RL  |" in shown[1] and "h2o: mean step" in shown[3]
-    assert calls["bench"][0].stdout.split("\n== ")[1].startswith(
-        "bench_gpu.md\nrows skipped past the deadline: 0\n### Targets")
+    assert shown[4].startswith("bench_gpu.md\nrows skipped past the deadline: 0, rows failed: 0\n### Targets")
+
+
+def test_the_bench_is_told_to_begin_no_row_in_the_last_75_s_of_its_limit(tmp_path):
+    done, out = run(tmp_path, "bench", CALL="200")   # left: 200 - 20 s (and the versions' read): under 380
+    line = next(l for l in (out / "summary.txt").read_text().splitlines() if "bench_gpu.log: " in l and "bench.py" in l)
+    limit = int(re.search(r"exit 0 after \d+ s \(limit (\d+) s\)", (out / "summary.txt").read_text()).group(1))
+    assert 170 <= limit <= 180 and f"--deadline {limit - 75} " in line
 
 
 def test_a_failing_stage_costs_only_itself_and_the_call_says_which(tmp_path):
-    done, out = run(tmp_path, "check", broken="train.py")
+    done, out = run(tmp_path, "tests", "train", "steps", broken="train.py")
     assert done.returncode == 1 and "failed: train_gpu_fp32.txt train_gpu_bf16.txt" in done.stderr
-    assert [what for _, what in stages((out / "summary_check.txt").read_text())] == [
-        "exit 0", "exit 3", "exit 3", "exit 0", "exit 0"]
+    assert [what for _, what in stages((out / "summary.txt").read_text())] == [
+        "exit 0", "exit 3", "exit 3", "exit 0"]
     assert "full: mean step" in (out / "step_times.txt").read_text()     # the stages after them ran
 
 
 def test_a_stage_past_the_calls_time_is_stopped_and_the_rest_not_begun(tmp_path):
     # CALL=40: the first stage may take what is left of 40 - 20 s once the versions are read (Python imports
     # torch: a few seconds); it sleeps, gets SIGINT at its limit, and leaves less than 10 s to the others
-    done, out = run(tmp_path, "check", slow="pytest", CALL="40")
-    text = (out / "summary_check.txt").read_text()
-    assert stages(text) == [("test_gpu.txt", "exit 124")] + [(name, "not run") for name in CHECK[1:]]
-    assert done.returncode == 1 and "failed: " + " ".join(CHECK) in done.stderr
+    done, out = run(tmp_path, slow="pytest", CALL="40")
+    text = (out / "summary.txt").read_text()
+    assert stages(text) == [("test_gpu.txt", "exit 124")] + [(name, "not run") for name in STAGES[1:]]
+    assert done.returncode == 1 and "failed: " + " ".join(STAGES) in done.stderr
     took, limit = map(int, re.search(r"exit 124 after (\d+) s \(limit (\d+) s\)", text).groups())
     assert 10 <= limit <= 20 and limit <= took <= limit + 1
 
 
 def test_the_gpu_commands_are_what_each_script_accepts(tmp_path, monkeypatch):
     # DEVICE=cuda through a stub that only records: each command line, parsed by the parser of the script it calls
-    done, _ = run(tmp_path, "check", "bench", device="cuda")
+    done, _ = run(tmp_path, device="cuda")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [call.split("\x1f")[:-1] for call in (tmp_path / "seen").read_text().split("\x1e")[:-1]]
     scripts = [next((a for a in line if a.endswith((".py", "pytest"))), line[0]) for line in lines]
-    assert scripts == ["-c", "-c", "pytest", "train.py", "train.py", "bench.py", "static.py", "bench.py"]
+    assert scripts == ["-c", "-c", "pytest", "train.py", "train.py", "bench.py", "static.py"]
     assert lines[0] == ["-c", "import xdist"] and lines[2][:4] == ["-m", "pytest", "-n", "4"]   # the stub has it
     lines = lines[1:]
 
@@ -128,10 +131,9 @@ def test_the_gpu_commands_are_what_each_script_accepts(tmp_path, monkeypatch):
         assert (args.device, args.steps, args.warmup_steps, args.policy) == ("cuda", 200, 100, "snapkv")
     assert cli.parse_args(lines[3][1:]).dtype == "bfloat16"
     monkeypatch.setattr(bench_gpu, "main", parsed)
-    for line in (lines[4], lines[6]):
-        with pytest.raises(Parsed):
-            bench.main(line[1:])
-    assert "--quick" in lines[4] and "--quick" not in lines[6]
+    with pytest.raises(Parsed):
+        bench.main(lines[4][1:])
+    assert "--quick" not in lines[4] and lines[4][lines[4].index("--deadline") + 1] == "305"   # CALL 560: 380 - 75
     monkeypatch.setattr(models, "pick_device", parsed)          # static.main parses, then asks for the device
     with pytest.raises(Parsed):
         static.main(lines[5][1:])
@@ -142,6 +144,6 @@ def test_the_gpu_commands_are_what_each_script_accepts(tmp_path, monkeypatch):
 
 
 def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
-    done, out = run(tmp_path, "check", "bnech")
-    assert done.returncode == 2 and "unknown step 'bnech': check or bench" in done.stderr
+    done, out = run(tmp_path, "tests", "bnech")
+    assert done.returncode == 2 and "unknown step 'bnech': tests, train, bench or steps" in done.stderr
     assert not out.exists()
