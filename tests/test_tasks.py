@@ -254,6 +254,12 @@ def test_encode_target_is_the_answer_then_eos():
     ("#### 2^10", "2", 0.0),
     ("#### 1e3", "1", 0.0),
     ("#### 12 / 2 = 6", "12", 0.0),
+    ("#### 18 - 5", "18", 0.0),                               # an unfinished sum or difference: not 18 either
+    ("#### 18+2", "18", 0.0),
+    ("#### 18 - $5", "18", 0.0),
+    ("#### 18\n- 5 left over", "18", 1.0),                     # a list on the next line is no difference
+    ("#### 18 -", "18", 1.0),
+    ("#### -5 + 0", "-5", 0.0),
 ])
 def test_numeric_reward_hand_cases(completion, answer, expected):
     assert numeric_reward(completion, answer) == expected
