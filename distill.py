@@ -104,7 +104,12 @@ class LoRA(nn.Module):
         return lora
 
     def load(self, path):
+        """Put the adapter saved at `path` in place; a ValueError naming the file where its rank differs (copy_
+        would broadcast a rank-1 file into a rank-8 adapter without a word)."""
         saved = load_file(str(path))
+        rank = next((v.shape[0] for k, v in saved.items() if k.startswith("A.")), None)
+        if rank != self.rank:
+            raise ValueError(f"{path} holds a rank-{rank} adapter, this one has rank {self.rank}")
         with torch.no_grad():
             for part, params in (("A", self.A), ("B", self.B)):
                 for key, p in params.items():

@@ -386,7 +386,10 @@ def restore(state, ckpt, args, opt, lora, lora_opt, controller):
     if lora is not None:
         if not (ckpt / "adapter.safetensors").is_file() or state.get("lora_optimizer") is None:
             sys.exit(f"error: {ckpt} holds no DistillSparse adapter; resume it without --distill")
-        lora.load(ckpt / "adapter.safetensors")
+        try:
+            lora.load(ckpt / "adapter.safetensors")
+        except ValueError as error:
+            sys.exit(f"error: {error}: resume with the --lora-rank it was trained with")
         lora_opt.load_state_dict(state["lora_optimizer"])
         for group in lora_opt.param_groups:
             group["lr"] = args.lr * args.lora_lr_scale
