@@ -151,8 +151,11 @@ def start(n, root=ROOT):
         raise LabError(f"{ex.file}:{ex.function} differs from the committed one: "
                        f"keep your version, or `python lab.py reset {n}` first")
     path.write_text(stub_source(source, n))
+    shared = [f"exercise {k} ({other.function})" for k, other in EXERCISES.items() if k != int(n)
+              and set(other.tests) & set(ex.tests) and is_stub(find_function(working_file(root, other)[1], other.function))]
     return (f"exercise {n} started: {ex.file}:{ex.function} now raises NotImplementedError; "
-            f"`python lab.py test {n}` should fail")
+            f"`python lab.py test {n}` should fail" + (f". Note: {', '.join(shared)} is still a stub and shares its "
+            "tests, whose failures will show too: finish it or reset it (LAB.md)" if shared else ""))
 
 
 def reset(n, root=ROOT):
@@ -194,10 +197,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    parser.add_argument("action", choices=["list", "start", "test", "reset"])
+    parser.add_argument("action", nargs="?", choices=["list", "start", "test", "reset"])
     parser.add_argument("n", nargs="?", help="the exercise, 1 to 5 (not for list)")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="test: more arguments for pytest")
     args = parser.parse_args(argv)
+    if args.action is None:
+        parser.error("give an action: list, start N, test N or reset N")
     try:
         if args.action == "list":
             print(listing())

@@ -134,6 +134,9 @@ def test_bad_exercise_numbers_and_edited_functions_are_clear_errors(repo, capsys
     assert lab.main(["start", "7"]) == 2 and "no exercise '7'" in capsys.readouterr().err
     assert lab.main(["reset"]) == 2 and "needs an exercise number" in capsys.readouterr().err
     assert lab.main(["start", "1", "2"]) == 2 and "takes one exercise at a time, got 1 and 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):                                  # no action: say which there are
+        lab.main([])
+    assert capsys.readouterr().err.endswith("error: give an action: list, start N, test N or reset N\n")
     path = repo / "correction.py"
     before = path.read_text()
     path.write_text(before.replace("    return w\n", "    return w * 1\n", 1))   # a student's own version
@@ -143,6 +146,18 @@ def test_bad_exercise_numbers_and_edited_functions_are_clear_errors(repo, capsys
     finally:
         lab.reset(1, repo)
     assert path.read_text() == before
+
+
+def test_starting_beside_a_stub_that_shares_its_tests_says_so(repo):
+    # exercises 1, 2 and 5 are all pinned by tests/test_correction.py: a second stub's failures would show in the first's
+    try:
+        assert "Note" not in lab.start(1, repo)
+        assert lab.start(2, repo).endswith("Note: exercise 1 (importance_weights) is still a stub and shares its tests, "
+                                           "whose failures will show too: finish it or reset it (LAB.md)")
+        assert "Note" not in lab.start(4, repo)                     # schedule.py's tests are its own
+    finally:
+        for n in (1, 2, 4):
+            lab.reset(n, repo)
 
 
 def test_a_file_that_does_not_parse_is_named_with_its_line(repo):
