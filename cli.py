@@ -219,6 +219,9 @@ def check_args(args):
         raise ValueError(f"--gguf-file {args.gguf_file!r} needs --model, the folder that holds it")
     if not 1 <= args.digits[0] <= args.digits[1]:
         raise ValueError(f"--digits needs 1 <= MIN <= MAX, got {args.digits}")
+    if args.controller is not None and not 0 <= args.controller <= 1:
+        raise ValueError(f"--controller THRESHOLD is a 5th-percentile acceptance in [0, 1] (Sparrow's 0.86), got "
+                         f"{args.controller}")
     if args.schedule and args.controller is not None:
         raise ValueError("give --schedule FILE or --controller THRESHOLD, not both")
     if (args.schedule or args.controller is not None) and args.policy == "full":

@@ -89,6 +89,8 @@ def inference(args):
     """Check everything, load the model, run dense and each (policy, budget); -> the markdown table."""
     if bad := [name for name in ("limit", "max_new_tokens", "interval", "batch_size") if getattr(args, name) < 1]:
         raise ValueError(f"--{bad[0].replace('_', '-')} must be >= 1, got {getattr(args, bad[0])}")
+    if bad := [b for b in args.budgets if b < 1]:
+        raise ValueError(f"--budgets must be >= 1, got {bad[0]}")
     configs = [SparseConfig("full")] + [SparseConfig(policy, budget, args.interval, args.window, args.sink)
                                         for budget in args.budgets for policy in args.policies]  # raise early
     examples = load_jsonl(args.data)[: args.limit]
@@ -383,7 +385,8 @@ def keeps(args):
     """Draw, for one held-out prompt of the warm-up's task, which positions each policy keeps at each step."""
     made = Path(args.model, "warmup.json")
     if not made.is_file():
-        raise ValueError(f"no warmup.json in {args.model!r}: pass --model out/warmup (`python train.py` makes it)")
+        raise ValueError(("no such folder" if not Path(args.model).is_dir() else "no warmup.json in") +
+                         f" {args.model!r}: pass --model out/warmup (`python train.py` makes it)")
     settings = json.loads(made.read_text())
     run = TOY_TASKS[settings["task"]]
     if (args.budget is not None and args.budget < 1) or args.example < 0:

@@ -84,6 +84,8 @@ class Schedule:
         """A schedule from a JSON file {"bins": [...], "budgets": [...]}; ValueError naming the file otherwise."""
         try:
             data = json.loads(Path(path).read_text())
+            if not isinstance(data, dict):
+                raise ValueError(f'it holds a {type(data).__name__}, not {{"bins": [...], "budgets": [...]}}')
             return Schedule(data["bins"], data["budgets"])
         except KeyError as e:
             raise ValueError(f"cannot read a schedule from {path}: no key {e} (it needs \"bins\" and \"budgets\")") from None
@@ -437,6 +439,8 @@ def parse_args(argv=None):
         except ValueError:
             p.error(f"--candidates must be comma-separated integers, got {args.candidates!r}")
         made = [f for f in (Path(args.model, "warmup.json"), Path(args.model, "args.json")) if f.is_file()]
+        if not Path(args.model).is_dir():
+            p.error(f"--model {args.model!r}: no such folder; run `python train.py` first (it makes out/warmup)")
         if not made:
             p.error(f"no toy warm-up or checkpoint in {args.model!r} (no warmup.json, no args.json): run "
                     "`python train.py` first (it makes out/warmup), or pass --model")

@@ -317,6 +317,8 @@ def load_jsonl(path):
     kept as written. Blank lines are skipped.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not a data file (a JSONL file, one example a line)")
     if not path.is_file():
         raise ValueError(f"{path}: no such data file" + (" (GSM8K: README \"A real model on your CPU\" says where "
                          "to get train.jsonl and test.jsonl)" if "gsm8k" in str(path).lower() else ""))

@@ -363,8 +363,9 @@ def resume_point(args, out):
     if refused := [said(k) for k in keys if k in RUN_KEYS]:
         raise ValueError(f"--resume: {ckpt} was made by another run ({'; '.join(refused)}); pass its settings, or "
                          "another --out")
-    for k in keys:
-        if args.steps or k not in ("steps", "save_every", "eval_every"):   # --steps 0: no step, save, eval cadence
+    quiet = ("eval_policies", "eval_budgets") + (() if args.steps else ("steps", "save_every", "eval_every"))
+    for k in keys:   # evaluate-only flags, and with --steps 0 the cadence of steps it never takes, are no settings
+        if k not in quiet:
             print(f"resuming with a setting of its own: {said(k)}")
     step = int(ckpt.name[len("step-"):])
     if 0 < args.steps < step:

@@ -208,12 +208,15 @@ def test_keeps_without_a_warm_up_names_the_folder_and_the_one_to_pass(tmp_path, 
     monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit, match=f"^error: no warmup.json in '{tmp_path}': pass --model out/warmup"):
         report.main(["keeps", "--model", str(tmp_path)])
+    with pytest.raises(SystemExit, match=f"^error: no such folder '{tmp_path / 'x'}': pass --model out/warmup"):
+        report.main(["keeps", "--model", str(tmp_path / "x")])
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--interval", "0", "--batch-size", "-1"], "--interval must be >= 1, got 0$"),    # the first bad one, in order
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0$"),
     (["--max-new-tokens", "-2", "--limit", "0"], "--limit must be >= 1, got 0$"),
+    (["--budgets", "64", "0"], "--budgets must be >= 1, got 0$"),
 ])
 def test_inference_names_its_first_bad_count_before_loading(tmp_path, monkeypatch, flags, message):
     # Pins inference's `bad` check: each of the four counts is checked, and the message names the first bad one

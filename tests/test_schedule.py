@@ -428,6 +428,9 @@ def test_schedule_files_round_trip_and_bad_files_are_named(tmp_path):
             Schedule.load(tmp_path / name)
     with pytest.raises(ValueError, match="no key 'budgets'"):
         Schedule.load(tmp_path / "keys.json")
+    (tmp_path / "list.json").write_text("[0, 8]")                       # JSON, but no object: said so
+    with pytest.raises(ValueError, match='list.json: it holds a list, not {"bins": \\[...\\], "budgets": \\[...\\]}$'):
+        Schedule.load(tmp_path / "list.json")
 
 
 def toy_warm_up(folder):
@@ -503,6 +506,12 @@ def test_the_command_line_refuses_bad_settings_before_loading_a_model(tmp_path, 
         S.main((["--calibrate"] if "--speedup" not in argv else []) + ["--model", str(tmp_path)] + argv)
     assert re.search(message, capsys.readouterr().err)
 
+
+
+def test_calibration_names_a_model_folder_that_is_not_there(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        S.main(["--calibrate", "--model", str(tmp_path / "nowhere")])
+    assert f"--model '{tmp_path / 'nowhere'}': no such folder; run `python train.py` first" in capsys.readouterr().err
 
 
 def test_calibration_refuses_a_checkpoint_of_a_real_model(tmp_path, capsys):

@@ -354,8 +354,10 @@ def test_empty_file_is_an_error(tmp_path, content):
 
 def test_missing_file_is_an_error(tmp_path):
     path = tmp_path / "nowhere.jsonl"
-    with pytest.raises(ValueError, match=re.escape(str(path))):
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ": no such data file"):
         load_jsonl(path)
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path)) + " is a folder, not a data file"):
+        load_jsonl(tmp_path)
 
 
 @pytest.mark.skipif(not GSM8K.is_dir(), reason="GSM8K is not in ../shared/data/gsm8k")

@@ -302,10 +302,11 @@ def test_resume_survives_a_half_written_line_and_reads_state_with_weights_only(t
     assert (tmp_path / "eval.jsonl").read_text().count('"step": 3,') == 1     # evaluation is rerun, not repeated
     final = json.loads((tmp_path / "eval.jsonl").read_text().splitlines()[-1])
     capsys.readouterr()
-    _, results = train.main(SMALL + ["--out", str(tmp_path), "--resume", "--steps", "0", "--lr", "2e-5"])
+    _, results = train.main(SMALL + ["--out", str(tmp_path), "--resume", "--steps", "0", "--lr", "2e-5",
+                                     "--eval-budgets", "8"])
     assert results["dense"] == final["dense"]                          # step 3's weights, as its final evaluation
     said = [l for l in capsys.readouterr().out.splitlines() if l.startswith("resuming with")]
-    assert said == ["resuming with a setting of its own: --lr 3e-05 there, 2e-05 here"]   # not --steps 3 / 0
+    assert said == ["resuming with a setting of its own: --lr 3e-05 there, 2e-05 here"]   # not --steps, --eval-*
     for argv, message in ((["--steps", "2"], "--steps 2 ends before step-000003"),
                           (["--task", "pick"], "--task 'sort' there, 'pick' here"),
                           (["--seed", "3"], "made by another run \\(--seed 0 there, 3 here\\)"),
