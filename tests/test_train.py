@@ -116,7 +116,6 @@ def test_dense_grpo_raises_the_reward(tmp_path, warm):
     (["--model", "no/such.gguf"], "GGUF file 'no/such.gguf' does not exist"),
     (["--budget", "3", "--window", "2", "--sink", "2"], "budget=3 must be >= window \\+ sink"),
     (["--steps", "0", "--eval-budgets", "0"], "budget must be a positive integer, got 0"),
-    (["--controller", "1.5"], "threshold must lie in \\[0, 1\\], got 1.5"),
     (["--schedule", "no-such.json"], "cannot read a schedule from no-such.json"),
     (["--max-new-tokens", "102"], "max_new_tokens 102: the longest prompt \\(27 tokens\\) plus the response must fit "
                                   "the model's 128 positions, so at most 101"),   # checked before the toy's warm-up
