@@ -124,7 +124,7 @@ def test_bad_input_is_one_clear_line_before_training(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message) as exit_info:
         train.main(argv + ["--out", str(tmp_path / "run")])
     assert str(exit_info.value).startswith("error: ") and "\n" not in str(exit_info.value)
-    assert not (tmp_path / "run" / "warmup").exists()                 # nothing was trained
+    assert not (tmp_path / "run").exists()                            # nothing trained, no empty --out left
 
 
 def test_a_cached_warm_up_still_refuses_a_response_past_the_positions(tmp_path, warm):
