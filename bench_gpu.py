@@ -418,7 +418,8 @@ def targets(s, report, record):
     slowest = min(evicting) if all(evicting) else None
     dense_batch, evict_batch = batch.get("full", {}).get("batch"), batch.get(LONG_POLICY, {}).get("batch")
     found = [
-        [f"our dense >= 1.0x HF generate, 1.7B shape, bf16 ({s['prompt']}+{s['new']}; {s['prompt']}+{s['long_new']})",
+        [f"our dense >= 1.0x HF generate, {'1.7B' if s['hidden'] == GPU['hidden'] else 'tiny'} shape, bf16 "
+         f"({s['prompt']}+{s['new']}; {s['prompt']}+{s['long_new']})",
          "; ".join(ratio(speed(f"ours full {n}"), speed(f"{HF} {n}")) for n in ("new", "long_new"))],
         ["our dense >= 1.0x HF generate, bench.py's FULL shape, bf16", ratio(shape.get("full"), shape.get(HF))],
         [f"eviction (slowest of {len(EVICTION)}) >= dense at {s['prompt']}+{s['new']}", ratio(slowest, speed("ours full new"))],

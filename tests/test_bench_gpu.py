@@ -29,6 +29,7 @@ def test_gpu_bench_writes_every_row_table_and_target(gpu_quick):
     for heading in ("### 1.", "### 2.", "### 3.", "### 4.", "### Targets", "Total wall time"):
         assert heading in text
     assert "skipped" not in text and " - |" not in text.split("### Targets")[1]   # every target has a number
+    assert "| our dense >= 1.0x HF generate, tiny shape, bf16 (32+64; 32+128) |" in text   # not "1.7B": a quick run
     assert all(row["tokens_per_s"] > 0 and row["peak_bytes"] is None for row in record["rows"].values())  # CPU: n/a
 
 
