@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The one-GPU checks of README "On one GPU", in ONE device call: a session has 15 minutes of device time, the
 # machine's start (1-2 minutes) included, and a machine left idle for 30 s between two calls goes back (a new
-# start: 1-2 minutes more). So one call of ~8.5 minutes (timeout_s 590) runs, most needed first:
+# start: 1-2 minutes more). So one call of ~9 minutes (timeout_s 600) runs, most needed first:
 #
-#   bash gpu_check.sh      # tests: tests/test_gpu.py (~60-120 s); train: the toy run in fp32 and in bf16 (~55 s
-#                          # each); bench: python bench.py --gpu, the 1.7B-shaped bench (~270 s); steps: every
-#                          # eager decode step timed per policy (~90 s), in what is left
-#   bash gpu_check.sh tests bench         # some of them, in that order (a rerun on the machine still warm)
+#   bash gpu_check.sh      # tests: tests/test_gpu.py (~60-120 s); bench: python bench.py --gpu, the 1.7B-shaped
+#                          # bench (~270 s on an H100, more on an H200's larger batches); train: the toy run in fp32
+#                          # and in bf16 (~55 s each); steps: every eager decode step timed per policy (~90 s), in
+#                          # what is left
+#   bash gpu_check.sh train steps         # some of them, in the order given (a rerun on the machine still warm)
 #   DEVICE=cpu bash gpu_check.sh          # here, on the CPU at toy sizes (~1.5 min): checks this script
 #                                         # (tests/test_gpu_check.py runs it so, the GPU tests stubbed)
 #
-# Each stage runs under its own time limit, cut to what is left of the call's CALL seconds (default 560, inside
+# Each stage runs under its own time limit, cut to what is left of the call's CALL seconds (default 575, inside
 # the device call's timeout_s), and writes one file to $OUT (the device tool's folder; out/gpu-check where it is
 # unset), so a stage that fails or runs long costs only itself; the bench is told to begin no row 75 s before
 # its limit (--deadline). A stage past its limit gets SIGINT (Ctrl-C: pytest prints its summary, the bench writes
@@ -21,7 +22,7 @@
 set -uo pipefail
 cd "$(dirname "$0")"
 STEPS=("$@")
-[ $# -gt 0 ] || STEPS=(tests train bench steps)
+[ $# -gt 0 ] || STEPS=(tests bench train steps)
 for step in "${STEPS[@]}"; do
     case $step in tests|train|bench|steps) ;; *) echo "unknown step '$step': tests, train, bench or steps" >&2; exit 2 ;; esac
 done
@@ -29,7 +30,7 @@ done
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}                      # the GPU image's python3 holds torch; a plain `python` may not exist there
 OUT=${OUT:-out/gpu-check}
-CALL=${CALL:-560}                      # seconds this call may take in all (the device call: timeout_s 590)
+CALL=${CALL:-575}                      # seconds this call may take in all (the device call: timeout_s 600)
 WORK=$(mktemp -d)                      # the training runs' folders: not returned
 trap 'rm -rf "$WORK"' EXIT
 export PYTHONUNBUFFERED=1              # a stage cut off at its limit keeps what it printed

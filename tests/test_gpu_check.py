@@ -20,7 +20,7 @@ import static
 from kvcache import SparseConfig
 
 SCRIPT = Path(__file__).resolve().parent.parent / "gpu_check.sh"
-STAGES = ["test_gpu.txt", "train_gpu_fp32.txt", "train_gpu_bf16.txt", "bench_gpu.log", "step_times.txt"]
+STAGES = ["test_gpu.txt", "bench_gpu.log", "train_gpu_fp32.txt", "train_gpu_bf16.txt", "step_times.txt"]
 
 
 def run(tmp_path, *steps, broken="no such command", slow="no such command", device="cpu", **env):
@@ -92,7 +92,7 @@ def test_the_bench_is_told_to_begin_no_row_in_the_last_75_s_of_its_limit(tmp_pat
 
 
 def test_a_failing_stage_costs_only_itself_and_the_call_says_which(tmp_path):
-    done, out = run(tmp_path, "tests", "train", "steps", broken="train.py")
+    done, out = run(tmp_path, "tests", "train", "steps", broken="train.py")   # in the order given
     assert done.returncode == 1 and "failed: train_gpu_fp32.txt train_gpu_bf16.txt" in done.stderr
     assert [what for _, what in stages((out / "summary.txt").read_text())] == [
         "exit 0", "exit 3", "exit 3", "exit 0"]
@@ -116,7 +116,7 @@ def test_the_gpu_commands_are_what_each_script_accepts(tmp_path, monkeypatch):
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [call.split("\x1f")[:-1] for call in (tmp_path / "seen").read_text().split("\x1e")[:-1]]
     scripts = [next((a for a in line if a.endswith((".py", "pytest"))), line[0]) for line in lines]
-    assert scripts == ["-c", "-c", "pytest", "train.py", "train.py", "bench.py", "static.py"]
+    assert scripts == ["-c", "-c", "pytest", "bench.py", "train.py", "train.py", "static.py"]
     assert lines[0] == ["-c", "import xdist"] and lines[2][:4] == ["-m", "pytest", "-n", "4"]   # the stub has it
     lines = lines[1:]
 
@@ -126,14 +126,14 @@ def test_the_gpu_commands_are_what_each_script_accepts(tmp_path, monkeypatch):
     def parsed(*args):
         raise Parsed
     assert lines[1][-1] == "tests/test_gpu.py"
-    for line in lines[2:4]:                                    # the quick start's run, on CUDA, fp32 then bf16
-        args = cli.parse_args(line[1:])
-        assert (args.device, args.steps, args.warmup_steps, args.policy) == ("cuda", 200, 100, "snapkv")
-    assert cli.parse_args(lines[3][1:]).dtype == "bfloat16"
     monkeypatch.setattr(bench_gpu, "main", parsed)
     with pytest.raises(Parsed):
-        bench.main(lines[4][1:])
-    assert "--quick" not in lines[4] and lines[4][lines[4].index("--deadline") + 1] == "305"   # CALL 560: 380 - 75
+        bench.main(lines[2][1:])
+    assert "--quick" not in lines[2] and lines[2][lines[2].index("--deadline") + 1] == "305"   # its limit 380 - 75
+    for line in lines[3:5]:                                    # the quick start's run, on CUDA, fp32 then bf16
+        args = cli.parse_args(line[1:])
+        assert (args.device, args.steps, args.warmup_steps, args.policy) == ("cuda", 200, 100, "snapkv")
+    assert cli.parse_args(lines[4][1:]).dtype == "bfloat16"
     monkeypatch.setattr(models, "pick_device", parsed)          # static.main parses, then asks for the device
     with pytest.raises(Parsed):
         static.main(lines[5][1:])
