@@ -49,8 +49,8 @@ GPU = dict(
     search_new=8192, search_budget=1024, search_cap=1024, fit_steps=2,   # memory to throughput at 512 + 8192
     rescore_rows=32, rescore_tokens=4096, rescore_batches=(32, 8, 1),    # dense re-scoring, real vocabulary
     copy_mib=2048, deadline=300,        # bandwidth buffer; seconds after which rows not yet begun are skipped
-    # (--deadline; the whole bench took 260 s on an H100: the deadline bites on a slower card, and a row begun
-    # before it ends within ~60 s, so the bench ends inside gpu_check.sh's limit; past it, SIGINT still writes the JSON)
+    # (--deadline; the whole bench took 260 s on an H100: the deadline bites on a slower card, and the longest row
+    # took 35 s there, so the bench ends inside gpu_check.sh's limit; past it, SIGINT still writes the JSON)
     shape=bench.FULL)                   # bench.py's own shape, for its HF-vs-dense pair
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=512, batch=4, prompt=32, new=64, long_new=128,
             budget=32, interval=8, warm=4, window=16, search_new=96, search_budget=48, search_cap=16, fit_steps=2,

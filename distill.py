@@ -45,6 +45,11 @@ ALPHA = 16          # Sparrow's sparse_lora_alpha; the scale of the update is al
 LR_SCALE = 5.0      # Sparrow's lr_scale_factor: the adapter learns at 5x the base learning rate
 
 
+def saved_rank(saved):
+    """The rank of a saved adapter {name: tensor}: the rows of its A matrices [rank, in]; None if it holds none."""
+    return next((v.shape[0] for k, v in saved.items() if k.startswith("A.")), None)
+
+
 class LoRA(nn.Module):
     """A low-rank adapter phi on every linear layer of the model's decoder (not the output layer).
 
@@ -95,8 +100,7 @@ class LoRA(nn.Module):
         """The adapter saved at `path` (its rank read from the file), attached to `model`; a ValueError naming the
         file where it is no adapter of this model."""
         try:
-            saved = load_file(str(path))
-            lora = LoRA(model, rank=next(v.shape[0] for k, v in saved.items() if k.startswith("A.")))
+            lora = LoRA(model, rank=saved_rank(load_file(str(path))))
             lora.load(path)
         except Exception as error:   # safetensors' own error type, a missing key, another model's shapes
             raise ValueError(f"{path} is not a DistillSparse adapter of this model (adapter.safetensors of a "
@@ -107,8 +111,7 @@ class LoRA(nn.Module):
         """Put the adapter saved at `path` in place; a ValueError naming the file where its rank differs (copy_
         would broadcast a rank-1 file into a rank-8 adapter without a word)."""
         saved = load_file(str(path))
-        rank = next((v.shape[0] for k, v in saved.items() if k.startswith("A.")), None)
-        if rank != self.rank:
+        if (rank := saved_rank(saved)) != self.rank:
             raise ValueError(f"{path} holds a rank-{rank} adapter, this one has rank {self.rank}")
         with torch.no_grad():
             for part, params in (("A", self.A), ("B", self.B)):

@@ -30,8 +30,8 @@ from tasks import encode_prompt, exact_match, numeric_reward, reward_fn
 
 BATCH = 128   # held-out prompts decoded together by eval_rewards
 HELP = ("Greedy accuracy on held-out prompts, dense and through each cache: train.py --steps 0. It takes train.py's "
-        "flags; those of the model (--model, --resume, --out), the task, the cache and --eval-* count, the training "
-        "ones (correction, GRPO, DistillSparse's losses) do nothing here; --steps is refused.")
+        "flags; all count (the model, --seed's held-out prompts, the cache, --eval-*, the device) but the training ones "
+        "(correction, GRPO, DistillSparse's losses), which do nothing here; --steps is refused.")
 
 
 def run_reward(args):

@@ -154,8 +154,9 @@ def start(n, root=ROOT):
     shared = [f"exercise {k} ({other.function})" for k, other in EXERCISES.items() if k != int(n)
               and set(other.tests) & set(ex.tests) and is_stub(find_function(working_file(root, other)[1], other.function))]
     return (f"exercise {n} started: {ex.file}:{ex.function} now raises NotImplementedError; "
-            f"`python lab.py test {n}` should fail" + (f". Note: {', '.join(shared)} is still a stub and shares its "
-            "tests, whose failures will show too: finish it or reset it (LAB.md)" if shared else ""))
+            f"`python lab.py test {n}` should fail" + (f". Note: {' and '.join(shared)} "
+            f"{'is a stub and shares its' if len(shared) == 1 else 'are stubs and share their'} tests, whose failures "
+            "will show too: finish or reset first (LAB.md)" if shared else ""))
 
 
 def reset(n, root=ROOT):

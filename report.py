@@ -157,6 +157,11 @@ def seconds(line):
     return line["rollout_s"] + line["scoring_s"] + line["update_s"]
 
 
+def last_steps(runs):
+    """The sorted distinct steps of the last evaluations of a variant's runs [(metrics, evals) per seed]."""
+    return sorted({evals[-1]["step"] for _, evals in runs})
+
+
 def comparison_rows(groups, robust=None):
     """One row per variant of {variant: [(metrics, evals) per seed]}: the cells under `report_text`'s header, whose
     line above the table says what each column holds; accuracies as mean ± std over seeds, the rest as means.
@@ -174,7 +179,7 @@ def comparison_rows(groups, robust=None):
     rows = []
     for variant, runs in groups.items():
         metrics, evals = [m for m, _ in runs], [e for _, e in runs]
-        ends = sorted({e[-1]["step"] for e in evals})
+        ends = last_steps(runs)
         row = [variant, len(runs), f"{ends[0]}-{ends[-1]}" if len(ends) > 1 else str(ends[0]),
                pm([e[0]["dense"] for e in evals]), pm([e[0]["sparse"] for e in evals]),
                pm([e[-1]["dense"] for e in evals]), pm([e[-1]["sparse"] for e in evals]), pm(gain(evals)),
@@ -253,7 +258,7 @@ def report_text(groups, budgets=(), robust=None):
             "vetoed, and the seconds spent sampling, re-scoring and updating (in all, then per step and by part).", "",
             markdown(header, comparison_rows(groups, robust))]
     for variant, runs in groups.items():   # an unfinished seed moves its variant's means: said, not hidden
-        if len(ends := sorted({e[-1]["step"] for _, e in runs})) > 1:
+        if len(ends := last_steps(runs)) > 1:
             text += ["", f"Note: the seeds of {variant} end at different steps ({', '.join(map(str, ends))}; a run cut "
                      "short ends early), so its 'after' columns and times average runs of different lengths."]
     tails = tail_by_variant(groups)

@@ -252,9 +252,10 @@ NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 # The number a final answer starts with: a sign, maybe a dollar sign ("-$5", "$-5"), then 1,234.5 (commas
 # only between groups of three digits), 72, 2.50 or .5; never followed by more digits or by ",5" ("1,5"
 # is no number we can read: not 15, not 1.5), nor by an operator and a number ("3/4", "2^10", "3 * 4",
-# "18 - 5", "1e3" are not 3, 2, 3, 18 or 1; a sum or difference only on the same line: "18\n-5" is 18).
+# "18 - 5", "18 − 5", "1e3" are not 3, 2, 3, 18, 18 or 1; "#### 18" with "- 5" on the next line is 18: the
+# marker's answer ends with its line).
 _LEADING_NUMBER = re.compile(r"\s*(-?)\s*\$?\s*(-?)\s*(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
-                             r"(?![\d,]*,\d|\d|\.\d|\s*[*/^×]\s*\.?\d|[ \t]*[-+][ \t]*\$?\.?\d|[eE][+-]?\d)")
+                             r"(?![\d,]*,\d|\d|\.\d|\s*[*/^×]\s*\.?\d|\s*[-+−–]\s*\$?\.?\d|[eE][+-]?\d)")
 
 
 def _braced(text, start):

@@ -280,7 +280,7 @@ def main(argv=None):
         longest = longest_prompt(args, train, held_out, tokenizer)
         check_length(longest, args.max_new_tokens, model.config)
     except (ValueError, OSError) as error:
-        if new_out and not any(out.iterdir()):                         # a model that failed to load leaves no empty --out
+        if new_out and out.is_dir() and not any(out.iterdir()):      # a model that failed to load leaves no empty --out
             out.rmdir()
         sys.exit(f"error: {error}")
     if args.controller is not None:                                  # its bins: prompt + response, in tokens

@@ -131,25 +131,60 @@ def test_rows_past_the_deadline_are_written_as_skipped(tmp_path, monkeypatch):
 
 
 def test_a_row_that_fails_costs_only_itself_and_the_run_exits_naming_it(tmp_path, monkeypatch, capsys):
-    # one device call a session: a broken row (here the eviction rows of table 1 and table 4's batch search) must
-    # not lose the tables after it; its error is its cell, the run still writes its targets, and exits non-zero
-    window_run = bench_gpu.window_run
+    # one device call a session: a broken row (the h2o rows of table 1, HF in table 2, micro-batch 2 in table 3,
+    # table 4's batch search) must not lose what comes after it; its error is its cell, the run still writes its
+    # targets, and exits non-zero
+    window_run, dense_logprobs = bench_gpu.window_run, bench_gpu.dense_logprobs
 
     def broken(model, s, sampler, *args, **kwargs):
-        if sampler == "h2o":
-            raise RuntimeError("h2o is broken\nsecond line")
+        if sampler == "h2o" or (sampler == bench.HF and "search_new" not in s):   # table 2's settings lack it
+            raise RuntimeError(f"{sampler} is broken\nsecond line")
         return window_run(model, s, sampler, *args, **kwargs)
+
+    def rescoring(model, rollouts, batch_size, topk):
+        if batch_size == 2:
+            raise ValueError("re-scoring is broken")
+        return dense_logprobs(model, rollouts, batch_size=batch_size, topk=topk)
     monkeypatch.setattr(bench_gpu, "window_run", broken)
+    monkeypatch.setattr(bench_gpu, "dense_logprobs", rescoring)
     monkeypatch.setattr(bench_gpu, "largest_batch", lambda *a: 1 / 0)
-    with pytest.raises(SystemExit, match="^bench.py --gpu: 4 row.s. failed .tracebacks above.: table 1: ours h2o any"):
+    with pytest.raises(SystemExit, match="^bench.py --gpu: 6 row.s. failed .tracebacks above.: table 1: ours h2o any"):
         bench.main(["--gpu", "--quick", "--out", str(tmp_path / "e.md")])
     text, saved = (tmp_path / "e.md").read_text(), json.loads((tmp_path / "e.json").read_text())
     assert "| ours h2o | any length | error: RuntimeError: h2o is broken |" in text and "second line" not in text
+    assert "| HF generate | context 32-48 | error: RuntimeError: HF generate is broken | - |" in text
+    assert "| ours full | context 32-48 | " in text and "| 2 | error: ValueError: re-scoring is broken | " in text
     assert "| ours full | error: ZeroDivisionError: division by zero |" in text
-    assert len(saved["rows"]) == len(bench_gpu.ROWS) - 2 and saved["shape"] and saved["rescore"]   # the rest measured
+    assert len(saved["rows"]) == len(bench_gpu.ROWS) - 2 and list(saved["shape"]) == ["full"]   # the rest measured
+    assert list(saved["rescore"]) == ["4", "2"] and saved["rescore"]["4"]["seconds"] > 0
     assert set(saved["errors"]) == {"table 1: ours h2o any", "table 1: ours h2o captured=True any",
+                                    "table 2: HF generate", "table 3: micro-batch 2",
                                     "table 4: ours full", f"table 4: ours {bench.LONG_POLICY}, budget 48"}
     assert "### Targets" in text and "Traceback" in capsys.readouterr().err
+
+
+def test_a_ctrl_c_inside_a_row_still_ends_the_run_and_writes_its_json(tmp_path, monkeypatch):
+    # `attempt` keeps an error to its row, never a KeyboardInterrupt: gpu_check.sh's SIGINT at the stage's limit
+    window_run = bench_gpu.window_run
+
+    def interrupted(model, s, sampler, *args, **kwargs):
+        if sampler == "h2o":
+            raise KeyboardInterrupt
+        return window_run(model, s, sampler, *args, **kwargs)
+    monkeypatch.setattr(bench_gpu, "window_run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--gpu", "--quick", "--out", str(tmp_path / "c.md")])
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert list(saved["rows"]) == ["HF generate new", "ours full new", "HF generate long_new", "ours full long_new",
+                                   "ours streaming any"] and saved["errors"] == {}
+
+
+@pytest.mark.parametrize("argv, message", [(["--deadline", "5"], "without --gpu"),
+                                           (["--gpu", "--deadline", "-1"], "must be >= 0, got -1.0")])
+def test_deadline_goes_with_gpu_and_is_not_negative(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert message in capsys.readouterr().err
 
 
 def test_a_run_cut_short_still_writes_its_targets_and_json(tmp_path, monkeypatch):

@@ -84,11 +84,11 @@ def test_each_stage_wrote_what_it_measures_and_the_digest_shows_it(call):
     assert shown[4].startswith("bench_gpu.md\nrows skipped past the deadline: 0, rows failed: 0\n### Targets")
 
 
-def test_the_bench_is_told_to_begin_no_row_in_the_last_75_s_of_its_limit(tmp_path):
+def test_the_bench_is_told_to_begin_no_row_in_the_last_80_s_of_its_limit(tmp_path):
     done, out = run(tmp_path, "bench", CALL="200")   # left: 200 - 20 s (and the versions' read): under 380
     line = next(l for l in (out / "summary.txt").read_text().splitlines() if "bench_gpu.log: " in l and "bench.py" in l)
     limit = int(re.search(r"exit 0 after \d+ s \(limit (\d+) s\)", (out / "summary.txt").read_text()).group(1))
-    assert 170 <= limit <= 180 and f"--deadline {limit - 75} " in line
+    assert 170 <= limit <= 180 and re.search(f"--deadline ({limit - 80}|{limit - 79}) ", line)   # $SECONDS may tick
 
 
 def test_a_failing_stage_costs_only_itself_and_the_call_says_which(tmp_path):
@@ -129,7 +129,7 @@ def test_the_gpu_commands_are_what_each_script_accepts(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_gpu, "main", parsed)
     with pytest.raises(Parsed):
         bench.main(lines[2][1:])
-    assert "--quick" not in lines[2] and lines[2][lines[2].index("--deadline") + 1] == "305"   # its limit 380 - 75
+    assert "--quick" not in lines[2] and lines[2][lines[2].index("--deadline") + 1] == "300"   # its limit 380 - 80
     for line in lines[3:5]:                                    # the quick start's run, on CUDA, fp32 then bf16
         args = cli.parse_args(line[1:])
         assert (args.device, args.steps, args.warmup_steps, args.policy) == ("cuda", 200, 100, "snapkv")

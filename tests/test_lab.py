@@ -152,11 +152,13 @@ def test_starting_beside_a_stub_that_shares_its_tests_says_so(repo):
     # exercises 1, 2 and 5 are all pinned by tests/test_correction.py: a second stub's failures would show in the first's
     try:
         assert "Note" not in lab.start(1, repo)
-        assert lab.start(2, repo).endswith("Note: exercise 1 (importance_weights) is still a stub and shares its tests, "
-                                           "whose failures will show too: finish it or reset it (LAB.md)")
+        assert lab.start(2, repo).endswith("Note: exercise 1 (importance_weights) is a stub and shares its tests, "
+                                           "whose failures will show too: finish or reset first (LAB.md)")
         assert "Note" not in lab.start(4, repo)                     # schedule.py's tests are its own
+        assert "Note: exercise 1 (importance_weights) and exercise 2 (rejection_mask) are stubs and share their " \
+               "tests" in lab.start(5, repo)
     finally:
-        for n in (1, 2, 4):
+        for n in (1, 2, 4, 5):
             lab.reset(n, repo)
 
 

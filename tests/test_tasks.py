@@ -257,7 +257,10 @@ def test_encode_target_is_the_answer_then_eos():
     ("#### 18 - 5", "18", 0.0),                               # an unfinished sum or difference: not 18 either
     ("#### 18+2", "18", 0.0),
     ("#### 18 - $5", "18", 0.0),
-    ("#### 18\n- 5 left over", "18", 1.0),                     # a list on the next line is no difference
+    ("#### 18 − 5", "18", 0.0),                               # Unicode's minus, an en dash: the same
+    ("#### 18 – 5", "18", 0.0),
+    ("\\boxed{18\n- 5}", "18", 0.0),                          # inside the braces, over a line break too
+    ("#### 18\n- 5 left over", "18", 1.0),                     # the marker's answer ends with its line
     ("#### 18 -", "18", 1.0),
     ("#### -5 + 0", "-5", 0.0),
 ])

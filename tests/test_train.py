@@ -127,6 +127,12 @@ def test_bad_input_is_one_clear_line_before_training(tmp_path, argv, message):
     assert not (tmp_path / "run").exists()                            # nothing trained, no empty --out left
 
 
+def test_an_out_under_a_file_is_one_clear_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="^error: .*Not a directory"):
+        train.main(["--out", str(tmp_path / "file" / "run")])
+
+
 def test_a_cached_warm_up_still_refuses_a_response_past_the_positions(tmp_path, warm):
     # Pins main's check_length after loading: with the warm-up cached, load_model's own check never runs, so
     # without main's the run would reach the sampler and end in its ValueError traceback, not one line
