@@ -189,10 +189,15 @@ class Report:
         self.file.flush()
 
     def table(self, title, header, rows=()):
+        self.width = len(header)
         self.write(f"\n{title}\n\n" + markdown(header, rows))
 
     def row(self, cells):
         self.write("| " + " | ".join(map(str, cells)) + " |")
+
+    def unmeasured(self, cells, why):
+        """A row with no measurement: `cells`, then why not (skipped, an error), then "-" to the table's width."""
+        self.row([*cells, why] + ["-"] * (self.width - len(cells) - 1))
 
 
 # ----------------------------------------------------------------------------- the measurements
@@ -202,10 +207,11 @@ def late(s):
     return time.perf_counter() > s["stop_at"]
 
 
-def attempt(record, label, measure):
-    """measure(), or None where it raises: the row's error (its traceback on stderr) goes into record["errors"],
-    and what it held is freed, so that one broken row costs only itself: the rows and tables after it and the
-    targets are still measured, in the one device call a session has. A time limit's SIGINT still ends the run."""
+def attempt(record, report, label, cells, measure):
+    """measure(), or None where it raises: the error (its traceback on stderr) goes into record["errors"] and
+    its row (`cells`, then the error), and what it held is freed, so that one broken row costs only itself: the
+    rows and tables after it and the targets are still measured, in the one device call a session has. A time
+    limit's SIGINT still ends the run."""
     try:
         return measure()
     except Exception as error:
@@ -213,6 +219,7 @@ def attempt(record, label, measure):
         record["errors"][label] = f"{type(error).__name__}: {error}".split("\n")[0]
         log(f"{label}: {record['errors'][label]}")
     reset_peak(record["device"])
+    report.unmeasured(cells, f"error: {record['errors'][label]}")
     return None
 
 
@@ -245,12 +252,11 @@ def table_1(model, s, report, record, bandwidth, weights):
         label, dense = row_label(sampler, extra), row_label("full", extra)   # captured rows: against dense captured
         stands = "any length" if length == "any" else f"{s['prompt']}+{s[length]}"
         if late(s):
-            report.row([label, stands, "skipped: past the deadline"] + ["-"] * 9)
+            report.unmeasured([label, stands], "skipped: past the deadline")
             continue
-        r = attempt(record, f"table 1: {label} {length}",
+        r = attempt(record, report, f"table 1: {label} {length}", [label, stands],
                     lambda: measure_row(model, s, sampler, length, extra, bandwidth, weights))
         if r is None:
-            report.row([label, stands, "error: " + record["errors"][f"table 1: {label} {length}"]] + ["-"] * 9)
             continue
         rows[f"{label} {length}"] = r
         hf = rows.get(f"{HF} {length}", {}).get("tokens")
@@ -271,16 +277,16 @@ def table_2(s, report, record, device):
     report.table(f"### 2. bench.py's own shape ({shape['layers']} layers, {shape['hidden']} wide, batch "
                  f"{shape['batch']}, {shape['prompt']}+{shape['new']}), bf16", ["sampler", "timed", "tokens/s", "vs HF"])
     if late(s):
-        report.row(["skipped: past the deadline", "-", "-", "-"])
+        report.unmeasured([], "skipped: past the deadline")
         return
     model = bench.build_model(shape).to(device, DTYPE)
     for sampler in (HF, "full"):
         prompt_len, steps, first = plan(shape, sampler, "new")
         label, timed_what = sampler if sampler == HF else "ours full", f"context {first}-{first + shape['window']}"
         log(f"table 2: {sampler}, prompt {prompt_len}, {steps} steps")
-        r = attempt(record, f"table 2: {label}", lambda: window_run(model, shape, sampler, prompt_len, steps))
+        r = attempt(record, report, f"table 2: {label}", [label, timed_what],
+                    lambda: window_run(model, shape, sampler, prompt_len, steps))
         if r is None:
-            report.row([label, timed_what, "error: " + record["errors"][f"table 2: {label}"], "-"])
             continue
         record["shape"][sampler] = r["tokens_per_s"]
         report.row([label, timed_what, f"{r['tokens_per_s']:.0f}", ratio(r["tokens_per_s"], record["shape"].get(HF))])
@@ -299,7 +305,7 @@ def table_3(model, s, report, record):
                         zeros[..., None].expand(N, T, k), ids[:, s["prompt"]:, None].expand(N, T, k))
     for batch in s["rescore_batches"]:
         if late(s):
-            report.row([batch, "skipped: past the deadline", "-", "-"])
+            report.unmeasured([batch], "skipped: past the deadline")
             continue
         log(f"table 3: re-scoring at micro-batch {batch}")
         reset_peak(device)
@@ -310,8 +316,10 @@ def table_3(model, s, report, record):
                 return seconds, peak_bytes(device)
             except torch.OutOfMemoryError:
                 return None, "out of memory"
-        label = f"table 3: micro-batch {batch}"
-        seconds, peak = attempt(record, label, rescore) or (None, f"error: {record['errors'].get(label)}")
+        measured = attempt(record, report, f"table 3: micro-batch {batch}", [batch], rescore)
+        if measured is None:
+            continue
+        seconds, peak = measured
         record["rescore"][batch] = dict(seconds=seconds, peak_bytes=peak)
         report.row([batch, peak if seconds is None else size(peak), size(batch * T * s["vocab"] * 4),
                     "-" if seconds is None else f"{seconds:.2f}"])
@@ -391,12 +399,11 @@ def table_4(model, s, report, record, bandwidth, weights):
     for sampler in ("full", LONG_POLICY):
         label = "ours full" if sampler == "full" else f"ours {sampler}, budget {budget}"
         if late(s):
-            report.row([label, "skipped: past the deadline"] + ["-"] * 6)
+            report.unmeasured([label], "skipped: past the deadline")
             continue
-        r = attempt(record, f"table 4: {label}",
+        r = attempt(record, report, f"table 4: {label}", [label],
                     lambda: measure_batch(model, s, sampler, steps, first + s["window"] / 2, bandwidth, weights))
         if r is None:
-            report.row([label, "error: " + record["errors"][f"table 4: {label}"]] + ["-"] * 6)
             continue
         record["batch"][sampler] = r
         speed, share = r["tokens_per_s"], r.get("bandwidth_share")
