@@ -143,6 +143,8 @@ def pretrained_folder(model, gguf_file=None, cache_dir=CACHE_DIR):
         if Path(model).is_dir() and not Path(model, "config.json").is_file():
             raise ValueError(f"folder {model!r} holds no config.json: no saved model (train.py saves one in "
                              "<out>/warmup and in each <out>/step-NNNNNN)")
+        if not Path(model).exists():   # offline, the hub's retries take ~50 s before its error: say why we wait
+            print(f"{model!r} is no folder here: asking the Hugging Face hub for it", file=sys.stderr)
         return model
     folder, name = source
     key = hashlib.sha1(str(folder.resolve() / name).encode()).hexdigest()[:8]

