@@ -262,7 +262,7 @@ def main(argv=None):
     args = parse_args(argv)
     out = Path(args.out)
     torch.manual_seed(args.seed)
-    start_time, new_out = time.time(), False                         # new_out: this run made the --out folder
+    start_time, made = time.time(), []                               # made: the folders of --out this run makes
     try:
         check_args(args)
         device = pick_device(args.device)
@@ -273,15 +273,16 @@ def main(argv=None):
         ckpt = resume_point(args, out) if args.resume else None
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {str(out)!r} is a file, not a folder")
-        new_out = not out.exists()
+        made = [p for p in (out, *out.parents) if not p.exists()]     # innermost first
         out.mkdir(parents=True, exist_ok=True)
         torch.set_num_threads(threads(args))
         model, tokenizer = load_model(args, device)
         longest = longest_prompt(args, train, held_out, tokenizer)
         check_length(longest, args.max_new_tokens, model.config)
     except (ValueError, OSError) as error:
-        if new_out and out.is_dir() and not any(out.iterdir()):      # a model that failed to load leaves no empty --out
-            out.rmdir()
+        for folder in made:                                            # a model that failed to load leaves no empty --out
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
         sys.exit(f"error: {error}")
     if args.controller is not None:                                  # its bins: prompt + response, in tokens
         sparse = sparse_config(args, longest_prompt=longest)

@@ -127,6 +127,14 @@ def test_bad_input_is_one_clear_line_before_training(tmp_path, argv, message):
     assert not (tmp_path / "run").exists()                            # nothing trained, no empty --out left
 
 
+def test_a_failed_load_removes_every_folder_of_out_it_made_and_no_other(tmp_path):
+    (tmp_path / "kept").mkdir()
+    for out in (tmp_path / "a" / "b" / "run", tmp_path / "kept" / "run"):
+        with pytest.raises(SystemExit, match="holds no config.json"):
+            train.main(["--model", str(tmp_path / "kept"), "--out", str(out)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not any((tmp_path / "kept").iterdir())
+
+
 def test_an_out_under_a_file_is_one_clear_line(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit, match="^error: .*Not a directory"):
