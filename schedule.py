@@ -391,7 +391,8 @@ def speedup(config, schedule, context, prompt=0, stride=64, **kwargs):
 def parse_args(argv=None):
     """The command line, every check made before any model loads -> (args, parser)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,   # a short usage line:
+                                usage="%(prog)s --calibrate [--flag value ...] | --speedup SCHEDULE.json   (--help: all)")
     g = p.add_argument_group("calibrate (Sparrow's offline profiling); the sampler's settings default to "
                              "those train.py uses for the warm-up's task")
     g.add_argument("--calibrate", action="store_true", help="profile candidate budgets per length bin")

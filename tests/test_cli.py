@@ -72,6 +72,14 @@ def test_help_shows_the_value_each_flag_will_have(capsys):
             assert "(default: None)" not in text[text.index(flag + " "):][:300].split(" --")[0], flag
 
 
+def test_a_mistyped_choice_is_two_lines_not_the_usage_of_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--policy", "snapvk"])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "--help" in err[0] and err[1].endswith("invalid choice: 'snapvk' (choose from 'full', "
+                                                                     "'streaming', 'h2o', 'snapkv', 'rkv', 'random', 'blocktopk')")
+
+
 def test_block_topk_has_pages_that_fit_the_run():
     # the toy's budget of 12 is under Sparrow's page of 16, and its 2 layers would both be Sparrow's dense ones:
     # the toy pages by 4 with layer 0 dense; a real model keeps Sparrow's 16 and 2
