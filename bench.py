@@ -1,9 +1,9 @@
 """What sparse rollouts save and cost, measured side by side on this machine.
 
-    python bench.py                  # the full measurement (CPU: about 25 minutes on 2 cores)
+    python bench.py                  # the full measurement (CPU: about 38 minutes on 2 cores)
     python bench.py --quick          # the same code on a tiny model, in seconds (tests/test_bench.py)
     python bench.py --gpu --out $OUT/bench_gpu.md   # the one-GPU bench, bench_gpu.py (~4.5 minutes on an H100)
-    python bench.py --model smollm2-135m   # a real pretrained model (train.py's --model), ~10 minutes
+    python bench.py --model smollm2-135m   # a real pretrained model (train.py's --model), ~15 minutes
 
 One run measures, on the CPU, and prints five markdown tables plus a JSON file (each section's function tells how):
 1. Throughput: tokens per second of Hugging Face `model.generate` (its dynamic cache), our sampler with the full

@@ -16,7 +16,6 @@ line of <out>/eval.jsonl each), or evaluates only (`evaluate_only`, --steps 0); 
     python evaluate.py --eval-policies snapkv streaming --eval-budgets 8 12   # = python train.py --steps 0 ...
 """
 import sys
-import time
 from contextlib import nullcontext
 
 import torch
@@ -25,7 +24,7 @@ from tqdm import tqdm
 
 import correction as C
 from kvcache import SparseConfig
-from sampler import generate
+from sampler import clock, generate
 from tasks import encode_prompt, exact_match, numeric_reward, reward_fn
 
 BATCH = 128   # held-out prompts decoded together by eval_rewards
@@ -103,7 +102,7 @@ def run_inference(model, tokenizer, examples, reward, sparse, max_new_tokens, ba
     """One row of report.py's `inference` table: greedy answers to `examples` through `sparse`, `batch_size`
     at a time; -> dict of accuracy, peak_kv_bytes (summed over batches), alpha_mean, alpha_p05 (the
     acceptance, section 4), tokens, seconds. The dense side of alpha is always theta alone."""
-    start, rewards, peak, parts = time.perf_counter(), [], 0, []
+    start, rewards, peak, parts = clock(model.device), [], 0, []
     for batch, out in greedy(model, tokenizer, examples, sparse, max_new_tokens, batch_size, lora):
         rewards.append(rewards_of(out, batch, tokenizer, reward))
         peak += out.stats["peak_kv_bytes"]
@@ -112,7 +111,7 @@ def run_inference(model, tokenizer, examples, reward, sparse, max_new_tokens, ba
         parts.append([logp_dense, out.logprobs, out.mask, topk_dense, out.topk_logprobs])
     stats = C.mismatch_stats(*[torch.cat([pad_to(t, max_new_tokens) for t in column]) for column in zip(*parts)])
     return dict(accuracy=accuracy(torch.cat(rewards)), peak_kv_bytes=peak, alpha_mean=stats["alpha_mean"],
-                alpha_p05=stats["alpha_p05"], tokens=stats["tokens"], seconds=time.perf_counter() - start)
+                alpha_p05=stats["alpha_p05"], tokens=stats["tokens"], seconds=clock(model.device) - start)
 
 
 def main(argv=None):

@@ -68,7 +68,8 @@ class Rollouts:
 
 def clock(device):
     """Seconds on a wall clock once `device` has finished its queued work. CUDA runs kernels asynchronously:
-    an unsynchronised clock times their launch, not the work. Every timing in the project reads this clock."""
+    an unsynchronised clock times their launch, not the work. Every measured time in the project reads this
+    clock: the benches', train.py's seconds per phase, report.py inference's."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()

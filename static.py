@@ -1,8 +1,8 @@
 """A decode step whose shapes never change, so that a GPU replays it from a CUDA graph (docs/performance.md).
 
 Why: eager decoding of a batch is bound by Python and kernel launches, not by the GPU. On an H100
-(Qwen3-1.7B shape, batch 64, prompt 512 + 1536 new) an eager step took ~36 ms, for Hugging Face
-`generate` and for `sampler.generate` alike, while its memory traffic (~3.4 GB of weights plus the
+(Qwen3-1.7B shape, batch 64, prompt 512 + 1536 new) an eager step took ~41 ms for `sampler.generate`
+(~120 ms for Hugging Face `generate`; results/bench_gpu.md), while its memory traffic (~3.4 GB of weights plus the
 KV cache) takes ~4 ms at ~3 TB/s; eviction cannot show in a step that waits on the host. gpt-fast's
 remedy: a cache whose shapes never change, so one step is captured once and replayed, a few hundred
 launches for the price of one.
@@ -40,8 +40,9 @@ Speed, side by side in one run (random Llama weights, greedy, each pair interlea
     python static.py --device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 64 --rounds 1 --profile 64
     python static.py --shape layers28 --batch 4 --prompt 64 --budget 32 --interval 16 --count-ops \
         --policies full,streaming,snapkv,rkv,h2o,blocktopk                 # kernel launches a step, on the CPU
-    python static.py --device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 640 --budget 512 \
-        --rounds 2 --policies full,streaming,snapkv,rkv,h2o --step-times    # each eager step timed on its own
+    python static.py --device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 320 --budget 512 \
+        --interval 128 --rounds 1 --policies full,streaming,snapkv,rkv,h2o --step-times   # each eager step timed
+                                                                                        # (gpu_check.sh's)
 """
 import argparse
 import gc

@@ -46,7 +46,7 @@ from evaluate import eval_both, evaluate_only, rewards_of, run_reward
 from kvcache import SparseConfig
 from models import (autocast, last_checkpoint, load_checkpoint, load_pretrained, pick_device,
                     save_atomically, save_checkpoint, set_aside, toy_model, warm_up)
-from sampler import check_length, generate
+from sampler import check_length, clock, generate
 from tasks import (ALPHABET, char_tokenizer, encode_prompt, held_out_examples, load_jsonl, longest_prompt_chars,
                    make_examples)
 
@@ -145,7 +145,7 @@ def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, st
     """Sample, score, correct and learn from one batch of prompts (`examples`: P dicts {"prompt", "answer"}, each
     sampled --group-size times); returns the step's metrics, one line of metrics.jsonl.
     With a DistillSparse `lora` adapter, the sampler is theta + phi, and phi learns after theta."""
-    t0 = time.perf_counter()
+    t0 = clock(model.device)                                           # each phase's seconds, once the GPU is done
     seed = step_seed(args, step)
     group = [e for e in examples for _ in range(args.group_size)]      # n rollouts per prompt, consecutive
     with lora.on() if lora else nullcontext(), autocast(args.dtype, model.device):   # record: for phi's forward
@@ -160,7 +160,7 @@ def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, st
     if args.keep < args.group_size:
         keep = C.downsample(rewards, args.group_size, args.keep, args.downsample, torch.Generator().manual_seed(seed))
         rollouts, rewards = rollouts.select(keep), rewards[keep]
-    t1 = time.perf_counter()
+    t1 = clock(model.device)
     # pi_old: the same weights, full prefix (docs/method.md section 1). Even naive training re-scores:
     # the PPO ratio needs pi_old, and the mismatch is measured for every variant.
     with autocast(args.dtype, model.device):
@@ -184,13 +184,13 @@ def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, st
     metrics.update(adv)
     with autocast(args.dtype, model.device):
         logp_ref = C.dense_logprobs(ref_model, rollouts, args.micro_batch, args.temperature) if ref_model else None
-    t2 = time.perf_counter()
+    t2 = clock(model.device)
     advantages = advantages.to(logp_old.device)
     loss, clip_frac = update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, args, seed)
-    t3 = time.perf_counter()
+    t3 = clock(model.device)                                           # AdamW's step included
     if lora is not None:                                             # then phi, on the same rollouts
         metrics.update(distill.step(model, lora, lora_opt, rollouts, logp_old, advantages, args),
-                       distill_s=time.perf_counter() - t3)
+                       distill_s=clock(model.device) - t3)
     metrics.update(loss=loss, clip_frac=clip_frac, lr=opt.param_groups[0]["lr"],
                    mean_weight=(weights * mask).sum().item() / max(mask.sum().item(), 1),
                    peak_kv_bytes=rollouts.stats["peak_kv_bytes"], dense_kv_bytes=rollouts.stats["dense_kv_bytes"],

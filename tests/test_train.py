@@ -178,6 +178,23 @@ def small_step(model, tokenizer, args, opt=None, step=3, ref=None, reward=reward
     return train.rl_step(model, ref, opt, tokenizer, EXAMPLES, reward, train.sparse_config(args), args, step)
 
 
+def test_each_phase_is_timed_on_the_synchronised_clock_after_its_work(monkeypatch, warm):
+    # on a GPU an unsynchronised clock times kernel launches: the AdamW step would land in the next phase. So each
+    # boundary reads sampler.clock on the model's device, after its phase's last call: a clock that ticks once a
+    # read, and records what had run before each read, gives each phase 1 s and the calls in their order
+    done, ticks = [], iter(range(100))
+    for name in ("generate", "update"):
+        real = getattr(train, name)
+        monkeypatch.setattr(train, name, lambda *a, _real=real, _name=name, **k: done.append(_name) or _real(*a, **k))
+    read = []
+    monkeypatch.setattr(train, "clock", lambda device: read.append((str(device), list(done))) or float(next(ticks)))
+    args = train.parse_args(SMALL)
+    model, tokenizer = models.load_pretrained(str(warm))
+    metrics = small_step(model, tokenizer, args)
+    assert (metrics["rollout_s"], metrics["scoring_s"], metrics["update_s"]) == (1.0, 1.0, 1.0)
+    assert read == [("cpu", []), ("cpu", ["generate"]), ("cpu", ["generate"]), ("cpu", ["generate", "update"])]
+
+
 @pytest.fixture
 def spied_step(monkeypatch, warm):
     """One rl_step of the small warm model with every correction call recorded -> (calls, rollouts, reference
