@@ -412,7 +412,8 @@ def main(argv=None):
     if args.quick and args.model:
         parser.error("--quick runs the tiny random model; it cannot be combined with --model")
     if args.deadline is not None and not (args.gpu and args.deadline >= 0):
-        parser.error(f"--deadline goes with --gpu and must be >= 0, got {args.deadline}" + ("" if args.gpu else " without --gpu"))
+        parser.error(f"--deadline goes with --gpu and must be >= 0, got {args.deadline}"
+                     + ("" if args.gpu else " without --gpu"))
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.out and (Path(args.out).is_dir() or args.out.endswith(("/", os.sep))):   # now, not after the bench

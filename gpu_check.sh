@@ -24,7 +24,10 @@ cd "$(dirname "$0")"
 STEPS=("$@")
 [ $# -gt 0 ] || STEPS=(tests bench train steps)
 for step in "${STEPS[@]}"; do
-    case $step in tests|train|bench|steps) ;; *) echo "unknown step '$step': tests, train, bench or steps" >&2; exit 2 ;; esac
+    case $step in
+        tests|train|bench|steps) ;;
+        *) echo "unknown step '$step': tests, train, bench or steps" >&2; exit 2 ;;
+    esac
 done
 
 DEVICE=${DEVICE:-cuda}

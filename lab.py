@@ -151,8 +151,9 @@ def start(n, root=ROOT):
         raise LabError(f"{ex.file}:{ex.function} differs from the committed one: "
                        f"keep your version, or `python lab.py reset {n}` first")
     path.write_text(stub_source(source, n))
-    shared = [f"exercise {k} ({other.function})" for k, other in EXERCISES.items() if k != int(n)
-              and set(other.tests) & set(ex.tests) and is_stub(find_function(working_file(root, other)[1], other.function))]
+    stub = lambda other: is_stub(find_function(working_file(root, other)[1], other.function))
+    shared = [f"exercise {k} ({other.function})" for k, other in EXERCISES.items()
+              if k != int(n) and set(other.tests) & set(ex.tests) and stub(other)]   # exercises 1, 2, 5
     return (f"exercise {n} started: {ex.file}:{ex.function} now raises NotImplementedError; "
             f"`python lab.py test {n}` should fail" + (f". Note: {' and '.join(shared)} "
             f"{'is a stub and shares its' if len(shared) == 1 else 'are stubs and share their'} tests, whose failures "

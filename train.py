@@ -280,7 +280,7 @@ def main(argv=None):
         longest = longest_prompt(args, train, held_out, tokenizer)
         check_length(longest, args.max_new_tokens, model.config)
     except (ValueError, OSError) as error:
-        for folder in made:                                            # a model that failed to load leaves no empty --out
+        for folder in made:                                            # a failed load leaves no empty --out behind
             if folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
         sys.exit(f"error: {error}")
