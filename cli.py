@@ -73,8 +73,16 @@ TRAIN_HELP = ("Sparse-RL: GRPO on rollouts sampled through a compressed KV cache
               "(docs/method.md). Each flag shows the value this command line gives it.")
 
 
-def parse_args(argv=None, description=TRAIN_HELP):
-    """The flags -> args (`--keep` and `--save-every` filled in); `description` heads `--help` (evaluate.py's own)."""
+# the flags that only training reads: an evaluate-only run (evaluate.py, --steps 0) accepts them, its --help leaves
+# them out, and a checkpoint's other value of one is no setting of the evaluation's own (train.resume_point)
+TRAINING_ONLY = ("captured", "temperature", "schedule", "controller", "bin_size", "correction", "veto", "band", "cap",
+                 "prompts", "group_size", "keep", "downsample", "no_std", "ppo_epochs", "minibatch", "micro_batch", "lr",
+                 "clip", "kl", "agg", "lora_lr_scale", "distill_lambda", "steps", "eval_every", "save_every")
+
+
+def parse_args(argv=None, description=TRAIN_HELP, hide=()):
+    """The flags -> args (`--keep` and `--save-every` filled in); `description` heads `--help`, which leaves out
+    the flags named in `hide` (evaluate.py's: its own description, no TRAINING_ONLY flag)."""
     d = dict(TOY_TASKS["pick"], prompts=8, group_size=8, steps=200, eval_size=256, data=None, eval_data=None,
              digits=list(get_task("pick").lengths)) | preset(argv)
     # a short usage line: argparse's own lists all 50 flags (27 lines) above every one-line error
@@ -176,6 +184,9 @@ def parse_args(argv=None, description=TRAIN_HELP):
     g.add_argument("--dtype", default=d.get("dtype", "float32"), choices=list(DTYPES), help="precision of the "
                    "forward passes (smollm2-135m with --device cuda: bfloat16); bfloat16: under torch.autocast, the "
                    "weights and AdamW's state kept in fp32")
+    for action in p._actions:                                          # still accepted, only not listed
+        if action.dest in hide:
+            action.help = argparse.SUPPRESS
     args = p.parse_args(argv)
     args.keep = args.group_size if args.keep is None else args.keep
     args.save_every = min(50, max(1, args.steps // 4)) if args.save_every is None else args.save_every

@@ -23,14 +23,15 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import correction as C
+from cli import TRAINING_ONLY
 from kvcache import SparseConfig
 from sampler import clock, generate
 from tasks import encode_prompt, exact_match, numeric_reward, reward_fn
 
 BATCH = 128   # held-out prompts decoded together by eval_rewards
 HELP = ("Greedy accuracy on held-out prompts, dense and through each cache: train.py --steps 0. It takes train.py's "
-        "flags; all count (the model, --seed's held-out prompts, the cache, --eval-*, the device) but the training ones "
-        "(correction, GRPO, DistillSparse's losses), which do nothing here; --steps is refused.")
+        "flags; those listed here count (the model, --seed's held-out prompts, the cache, --eval-*, the device); "
+        "training's own (correction, GRPO, DistillSparse's losses) are accepted and do nothing; --steps is refused.")
 
 
 def run_reward(args):
@@ -120,7 +121,7 @@ def main(argv=None):
     import train   # here, not at the top: train.py imports this file
     argv = sys.argv[1:] if argv is None else argv
     argv = ["--steps", "0", *argv]
-    if train.parse_args(argv, HELP).steps != 0:                    # a --steps of the user's came after ours
+    if train.parse_args(argv, HELP, TRAINING_ONLY).steps != 0:                    # a --steps of the user's came after ours
         sys.exit("error: evaluate.py never trains: drop --steps (python train.py trains)")
     return train.main(argv)
 

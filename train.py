@@ -41,7 +41,7 @@ from tqdm import tqdm
 import correction as C
 import distill
 import schedule as S
-from cli import check_args, parse_args
+from cli import TRAINING_ONLY, check_args, parse_args
 from evaluate import eval_both, evaluate_only, rewards_of, run_reward
 from kvcache import SparseConfig
 from models import (autocast, last_checkpoint, load_checkpoint, load_pretrained, pick_device,
@@ -367,8 +367,8 @@ def resume_point(args, out):
     if refused := [said(k) for k in keys if k in RUN_KEYS]:
         raise ValueError(f"--resume: {ckpt} was made by another run ({'; '.join(refused)}); pass its settings, or "
                          "another --out")
-    quiet = ("eval_policies", "eval_budgets") + (() if args.steps else ("steps", "save_every", "eval_every"))
-    for k in keys:   # evaluate-only flags, and with --steps 0 the cadence of steps it never takes, are no settings
+    quiet = ("eval_policies", "eval_budgets") + (() if args.steps else TRAINING_ONLY)
+    for k in keys:   # evaluate-only flags, and with --steps 0 (evaluate only) training's own, are no settings
         if k not in quiet:
             print(f"resuming with a setting of its own: {said(k)}")
     step = int(ckpt.name[len("step-"):])
@@ -385,7 +385,7 @@ def restore(state, ckpt, args, opt, lora, lora_opt, controller):
     saved_lr = opt.param_groups[0]["lr"]
     for group in opt.param_groups:                                     # the command line's lr, not the saved one
         group["lr"] = args.lr
-    if saved_lr != args.lr:
+    if saved_lr != args.lr and args.steps:
         print(f"learning rate {args.lr} (the checkpoint was trained at {saved_lr})")
     torch.set_rng_state(state["torch_rng"])
     if lora is not None:

@@ -6,6 +6,7 @@ import torch
 import distill
 import evaluate
 import train
+from cli import TRAINING_ONLY
 from kvcache import SparseConfig
 from models import toy_model
 from reference import hf_greedy
@@ -186,3 +187,19 @@ def test_each_command_line_says_what_it_does_in_its_help(capsys):
     assert heads["train"].startswith("Sparse-RL: GRPO on rollouts") and "Greedy" not in heads["train"]
     assert heads["evaluate"].startswith("Greedy accuracy on held-out prompts") and "GRPO on" not in heads["evaluate"]
     assert "command line of train.py" not in heads["train"] + heads["evaluate"]   # cli.py's docstring, not a command's
+
+
+def test_its_help_lists_the_flags_that_count_and_it_still_takes_training_ones(capsys):
+    with pytest.raises(SystemExit):
+        evaluate.main(["--help"])
+    shown = capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    everything = capsys.readouterr().out
+    for dest in TRAINING_ONLY:                                         # a flag's entry opens its line
+        flag = "\n  --" + dest.replace("_", "-") + " "
+        assert flag in everything and flag not in shown, flag
+    for flag in ("model", "policy", "budget", "eval-budgets", "max-new-tokens", "distill", "resume", "device"):
+        assert f"\n  --{flag} " in shown, flag
+    args = train.parse_args(["--steps", "0", "--lr", "3e-5", "--correction", "tis"], evaluate.HELP, TRAINING_ONLY)
+    assert (args.lr, args.correction) == (3e-5, "tis")                 # a training command line still parses
