@@ -288,7 +288,7 @@ def main(argv=None):
         sparse = sparse_config(args, longest_prompt=longest)
     reward = run_reward(args)
     controller = sparse.schedule if isinstance(sparse.schedule, S.Controller) else None
-    ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl > 0 else None
+    ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl > 0 and args.steps else None   # not to evaluate
     start, state = 0, {}
     if ckpt:
         model, state = load_checkpoint(ckpt, device, torch.float32)
