@@ -169,8 +169,9 @@ def mismatch_stats(logp_dense, logp_sparse, mask, topk_dense=None, topk_sparse=N
     log rho = logp_dense - logp_sparse, rho = pi_old / pi_sparse. With tokens drawn from
     pi_sparse both k1 = -log rho and k3 = rho - 1 - log rho average to KL(pi_sparse || pi_old).
     Returns floats: tokens, rho_mean/min/max/p05/p50/p95, kl_k1, kl_k3, out_of_band (share of
-    tokens with rho outside [low, high]) and, given top-k, alpha_mean and alpha_p05, the tail
-    statistic (stable training needed alpha_p05 >= 0.86). With no tokens every value is 0.
+    tokens with rho outside [low, high]) and, given top-k, alpha_mean and alpha_p05, pooled over every
+    context: the paper's tail statistic (>= 0.86) is per length bin (schedule.tail_by_bin), and a late bin
+    can fail beneath a pooled p05 that holds. With no tokens every value is 0.
     """
     check_shapes(logp_dense=logp_dense, logp_sparse=logp_sparse, mask=mask)
     check_band(low, high)
