@@ -140,6 +140,17 @@ def test_recorded_topk_is_the_sampler_distribution():
     assert torch.allclose(out.logprobs[0], dense, atol=1e-4)
 
 
+def test_a_topk_larger_than_the_vocabulary_records_the_whole_distribution():
+    # logprobs_topk (default correction.ALPHA_TOPK = 64) above a 32-token vocabulary is cut to the vocabulary:
+    # every step records all 32 log-probs, each id once, best first, summing to 1 (asking topk for 64 of 32 fails)
+    model = tiny_model("llama", vocab_size=32)
+    out = generate(model, [[5, 9, 3], [4, 17, 6, 30]], SparseConfig("full"), max_new_tokens=5, temperature=1.0)
+    assert out.topk_logprobs.shape == out.topk_ids.shape == (2, 5, 32)
+    assert torch.equal(out.topk_ids.sort(-1).values, torch.arange(32).expand(2, 5, 32))
+    assert torch.allclose(out.topk_logprobs.exp().sum(-1), torch.ones(2, 5), atol=1e-5)
+    assert (out.topk_logprobs.diff(dim=-1) <= 0).all()
+
+
 def test_the_random_policy_evicts_as_the_seed_says():
     # greedy decoding draws no noise: what differs between seeds is only the random policy's choice of evictions
     model = tiny_model("llama")
