@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from kvcache import Layer, SparseConfig
-from policies import SCORERS, Rows, keep_indices, page_plan, redundancy, top_pages
+from policies import SCORERS, Rows, keep_indices, page_plan, pool, redundancy, top_pages
+from reference import _pool
 
 H, H_KV, D = 4, 2, 8
 
@@ -28,6 +29,23 @@ def test_padding_and_holes_are_no_tokens_neighbours(policy):
     real = holey_pos[0, 0] >= 0
     before = pos[0, 0] <= S - 1 - W                                    # the window's scores are not used
     assert torch.allclose(scores[..., real][..., before], clean[..., before], atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["avg", "max"])
+def test_pool_sees_only_the_masked_slots_even_with_negative_scores(how):
+    # pool along the valid slots as if the others did not exist, against the loop reference (F.*_pool1d's edges:
+    # zeros counted in the mean, max over what exists). Negative scores: a masked slot that entered the max as a 0
+    # (rather than -inf) would win it; R-KV's softmax scores are >= 0, so only a direct test sees that
+    g = torch.Generator().manual_seed(0)
+    x = -torch.rand(2, H_KV, 11, generator=g) - 0.5                      # all negative
+    mask = torch.rand(2, H_KV, 11, generator=g) > 0.4
+    mask[0, 0] = True                                                     # one head with no hole at all
+    got = pool(x, mask, 5, how)
+    for b in range(2):
+        for h in range(H_KV):
+            valid = mask[b, h]
+            expected = torch.tensor(_pool(x[b, h][valid].tolist(), 5, how))
+            assert torch.allclose(got[b, h][valid], expected, atol=1e-6), (b, h)
 
 
 def test_keep_indices_by_hand():
