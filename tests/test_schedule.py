@@ -308,6 +308,19 @@ def test_controller_edges_by_hand():
     assert c.budgets == (20, 40, 56)
 
 
+def test_controller_leaves_a_bin_whose_tail_equals_the_threshold_alone():
+    # threshold 0.75, band 0.125, bins of 32, interval 1, budgets (24, 55, 64), one row at contexts 5-65: bins 0
+    # and 1 compress (at 63 the row holds 56 = 55 + 1), bin 2 does not. Bin 2's tail is exactly the threshold: it
+    # holds (< is the rule), so no bin is raised; bins 0 and 1, above threshold + band with no failing bin at or
+    # after them, are lowered by 8 (bin 0 floored at 20), bin 2 stays. Counting 0.75 as failing blames bin 1
+    # (the latest that compresses): 55 -> 83, and nothing lowered: (24, 83, 83).
+    c = Controller(threshold=0.75, bin_size=32, bins=3, start=24, low=20, high=100, step=8, up=1.5, band=0.125,
+                   min_tokens=2)
+    c.schedule = piecewise([0, 32, 64], (24, 55, 64))
+    c.update(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.75, 0.75]]), torch.tensor([[5, 6, 40, 41, 64, 65]]))
+    assert c.budgets == (20, 47, 64)
+
+
 def test_bin_metrics_by_hand():
     alpha = torch.tensor([[1.0, 0.5, 0.25, 0.0], [1.0, 1.0, 0.0, 0.0]])
     contexts = torch.tensor([[3, 4, 20, -1], [5, 6, 7, -1]])            # -1: not a response token
