@@ -321,6 +321,30 @@ def test_controller_leaves_a_bin_whose_tail_equals_the_threshold_alone():
     assert c.budgets == (20, 47, 64)
 
 
+def test_calibrate_raises_the_earliest_blamed_bin_first(monkeypatch):
+    # The stand-in `measure` of the simulated streaming cache above (bins of 4, contexts 4-19, each token needs
+    # the one D(c) back, alpha 0.86 if kept, else 0.5), with D = 6 at c = 9 (bin 2) and 8 at c = 12 (bin 3).
+    # Held constant, bins 2 and 3 need 8, the rest 2: -> [2, 2, 8, 8, 8]. Under it both fail, for positions 3 and
+    # 4 evicted at contexts 5-7 by bin 1's 2; bin 2 compresses nothing (it holds 3-6 tokens), so it blames bin 1,
+    # bin 3 compresses (at 13) and blames itself. The earliest blamed bin moves: bin 1 -> 4, and both hold.
+    # Raising bin 3 first would make it (and bin 4) dense for nothing: [2, 4, 8, None, None].
+    D = {c: {9: 6, 12: 8}.get(c, 2) for c in range(4, 20)}
+    tried = []
+
+    def fake_measure(model, prompts, sparse, max_new_tokens, **sampling):
+        budget = (lambda c: sparse.budget) if sparse.schedule is None else sparse.schedule
+        if sparse.schedule is not None:
+            tried.append([None if budget(b) >= DENSE else budget(b) for b in sparse.schedule.bins])
+        kept = [all(c2 - budget(c2) <= c - D[c] for c2 in range(c - D[c] + 1, c + 1)) for c in D]
+        return torch.tensor([[THRESHOLD if k else 0.5 for k in kept]], dtype=torch.float64), torch.tensor([list(D)])
+
+    monkeypatch.setattr(S, "measure", fake_measure)
+    sparse = SparseConfig("streaming", budget=2, interval=1, window=1, sink=0)
+    schedule, rows = calibrate(None, None, candidates=[2, 4, 8], bin_size=4, sparse=sparse)
+    assert tried == [[2, 2, 8, 8, 8], [2, 4, 8, 8, 8]]
+    assert schedule == piecewise([0, 4, 8, 12, 16], [2, 4, 8, 8, 8]) and [r["tail"] for r in rows[1:]] == [THRESHOLD] * 4
+
+
 def test_bin_metrics_by_hand():
     alpha = torch.tensor([[1.0, 0.5, 0.25, 0.0], [1.0, 1.0, 0.0, 0.0]])
     contexts = torch.tensor([[3, 4, 20, -1], [5, 6, 7, -1]])            # -1: not a response token
