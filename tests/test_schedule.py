@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import distill
 import schedule as S
 from kvcache import DENSE, KVCache, SparseConfig
 from reference import tiny_model
@@ -74,6 +75,32 @@ def test_calibrate_picks_the_smallest_passing_budget_and_its_tails_hold(model):
     assert all(t >= 0.97 for t, c in zip(tails.tolist(), counts.tolist()) if c > 0)   # re-measured
     assert set(calibrate(model, PROMPTS, threshold=0.0, **kw)[0].budgets) == {6}
     assert set(calibrate(model, PROMPTS, threshold=1.0, **kw)[0].budgets) == {None}  # dense: evicts nothing
+
+
+def test_measure_samples_with_the_adapter_and_rescores_densely_at_the_sampling_temperature():
+    # A full cache at temperature 0.7: the sampler and the dense re-scoring are one distribution, alpha = 1 (the
+    # vocabulary, 64, is the top-k: exact). With a DistillSparse adapter the sampler is theta + phi and the dense
+    # side theta alone: alpha = sum_v min(p_theta, p_theta+phi) at 0.7, against one plain forward pass of each
+    model, prompts = tiny_model("llama"), PROMPTS[:3]
+    alpha, contexts = measure(model, prompts, SparseConfig("full"), 8, temperature=0.7)
+    assert torch.allclose(alpha[contexts >= 0].double(), torch.ones(()).double(), atol=1e-5)
+    lora = distill.LoRA(model, rank=4)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for B in lora.B.values():
+            B.copy_(torch.randn(B.shape, generator=g) * 0.05)
+    alpha, contexts = measure(model, prompts, SparseConfig("full"), 8, temperature=0.7, adapter=lora)
+    with lora.on():
+        out = generate(model, prompts, SparseConfig("full"), 8, 0.7)          # measure's sampler, seed 0
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt + out.tokens[i].tolist()])
+        with torch.no_grad():
+            dense = torch.softmax(model(ids).logits[0, len(prompt) - 1:-1] / 0.7, -1)
+            with lora.on():
+                sparse = torch.softmax(model(ids).logits[0, len(prompt) - 1:-1] / 0.7, -1)
+        expected = torch.minimum(dense, sparse).sum(-1).double()
+        assert torch.allclose(alpha[i][contexts[i] >= 0].double(), expected[out.mask[i] > 0], atol=1e-5)
+    assert alpha[contexts >= 0].mean() < 0.99                           # the adapter really moved the sampler
 
 
 def test_calibrate_on_a_simulated_streaming_cache_by_hand(monkeypatch):
