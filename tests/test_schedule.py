@@ -369,7 +369,8 @@ def test_calibrate_raises_the_earliest_blamed_bin_first(monkeypatch):
     sparse = SparseConfig("streaming", budget=2, interval=1, window=1, sink=0)
     schedule, rows = calibrate(None, None, candidates=[2, 4, 8], bin_size=4, sparse=sparse)
     assert tried == [[2, 2, 8, 8, 8], [2, 4, 8, 8, 8]]
-    assert schedule == piecewise([0, 4, 8, 12, 16], [2, 4, 8, 8, 8]) and [r["tail"] for r in rows[1:]] == [THRESHOLD] * 4
+    assert schedule == piecewise([0, 4, 8, 12, 16], [2, 4, 8, 8, 8])
+    assert [r["tail"] for r in rows[1:]] == [THRESHOLD] * 4
 
 
 def test_bin_metrics_by_hand():
