@@ -584,6 +584,14 @@ def test_importance_weights_clamp_log_rho_at_20_before_the_cap():
     torch.testing.assert_close(w, torch.tensor([[2 * e20 / (e20 + 1), 2 / (e20 + 1)]]))
 
 
+def test_importance_weights_mask_mode_with_every_rho_above_the_cap_gives_zeros_not_nan():
+    # masked IS drops every token here, so the weights sum to 0 over a mask that is not empty: normalising must
+    # not divide 0 by 0 (the batch then carries no gradient, as with nothing kept)
+    log_rho = torch.tensor([[1.0, 1.0, 0.0], [2.0, 1.0, 0.0]])       # rho e and e^2 > cap 1.5; the 0s are padding
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    torch.testing.assert_close(importance_weights(log_rho, mask, mode="mask"), torch.zeros(2, 3))
+
+
 def test_importance_weights_keep_the_dtype_of_log_rho():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     for dtype in (torch.float32, torch.float64):
