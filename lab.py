@@ -20,13 +20,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 
-Exercise = namedtuple("Exercise", "file function section tests")
+Exercise = namedtuple("Exercise", "file function sections tests")   # sections: of docs/method.md
 EXERCISES = {
-    1: Exercise("correction.py", "importance_weights", "5", ["tests/test_correction.py"]),
-    2: Exercise("correction.py", "rejection_mask", "5", ["tests/test_correction.py"]),
-    3: Exercise("policies.py", "snapkv", "2", ["tests/test_kvcache.py", "tests/test_policies.py"]),
-    4: Exercise("schedule.py", "tail_by_bin", "4", ["tests/test_schedule.py"]),
-    5: Exercise("correction.py", "downsample", "7", ["tests/test_correction.py"]),
+    1: Exercise("correction.py", "importance_weights", "sections 1 and 5", ["tests/test_correction.py"]),
+    2: Exercise("correction.py", "rejection_mask", "section 5", ["tests/test_correction.py"]),
+    3: Exercise("policies.py", "snapkv", "section 2", ["tests/test_kvcache.py", "tests/test_policies.py"]),
+    4: Exercise("schedule.py", "tail_by_bin", "sections 4 and 6", ["tests/test_schedule.py"]),
+    5: Exercise("correction.py", "downsample", "section 7", ["tests/test_correction.py"]),
 }
 
 
@@ -101,7 +101,7 @@ def stub_source(source, n):
     head = func.body[kept - 1].end_lineno if kept else func.body[0].lineno - 1
     indent = " " * func.body[0].col_offset
     message = (f"exercise {n}: write the body of {ex.function} from its docstring and "
-               f"docs/method.md section {ex.section}")
+               f"docs/method.md {ex.sections}")
     return "".join(lines[:head] + [f'{indent}raise NotImplementedError("{message}")\n'] + lines[func.end_lineno:])
 
 
@@ -190,7 +190,7 @@ def listing(root=ROOT):
     rows = ["| N | function | docs/method.md | test command | state |", "|---|---|---|---|---|"]
     for n, ex in EXERCISES.items():
         state = "started (stub)" if is_stub(find_function(working_file(root, ex)[1], ex.function)) else "written"
-        rows.append(f"| {n} | `{ex.file[:-3]}.{ex.function}` | section {ex.section} | "
+        rows.append(f"| {n} | `{ex.file[:-3]}.{ex.function}` | {ex.sections} | "
                     f"`python lab.py test {n}` = `{' '.join(test_command(n))}` | {state} |")
     return "\n".join(rows)
 
