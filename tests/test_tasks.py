@@ -236,6 +236,8 @@ def test_encode_target_is_the_answer_then_eos():
     ("\\boxed{1\\,000}", "1000", 1.0),                       # LaTeX's thin space: 1000, not 1
     ("\\boxed{1\\!000}", "1000", 1.0),
     ("#### 5\n####", "5", 0.0),                               # the last marker counts, even an empty one
+    ("\\boxed{7}\nwait, no:\n#### 5", "5", 1.0),                # the last by place, whichever its kind: a "####"
+    ("\\boxed{7}\nwait, no:\n#### 5", "7", 0.0),                # after a \boxed{} wins
     ("#### -$5", "-5", 1.0),
     ("#### $-5", "-5", 1.0),
     ("#### .5", "0.5", 1.0),
