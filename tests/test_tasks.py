@@ -220,6 +220,8 @@ def test_encode_target_is_the_answer_then_eos():
     ("#### 72 clips", "72", 1.0),
     ("48/2 = 24 clips in May.\n48+24 = 72 altogether.\n#### 72", "72", 1.0),
     ("#### 71", "72", 0.0),
+    ("#### 72.01", "72", 0.0),                                # a model's own rounding is not forgiven
+    ("#### 1000.5", "1000", 0.0),
     ("no answer here", "5", 0.0),
     ("The answer is 5", "5", 0.0),  # no marker, no answer: documented in extract_answer
     ("####", "5", 0.0),
