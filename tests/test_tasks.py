@@ -346,7 +346,9 @@ def test_malformed_line_names_file_and_line(tmp_path, bad, reason):
 def test_a_numeric_answer_is_read_and_a_file_not_in_utf8_is_named(tmp_path):
     path = write(tmp_path / "n.jsonl", ['{"question": "q", "answer": 72}', '{"prompt": "p", "answer": -2.5}',
                                         '{"prompt": "p", "answer": 1e16}', '{"prompt": "p", "answer": 2.0}'])
-    assert [e["answer"] for e in load_jsonl(path)] == ["72", "-2.5", "10000000000000000", "2"]
+    examples = load_jsonl(path)
+    assert [e["answer"] for e in examples] == ["72", "-2.5", "10000000000000000", "2"]
+    assert examples[0]["prompt"] == "q\n" + tasks.ANSWER_INSTRUCTION and examples[1]["prompt"] == "p"   # as any line
     (tmp_path / "latin.jsonl").write_bytes('{"question": "caf\u00e9?", "answer": "1"}'.encode("latin-1"))
     with pytest.raises(ValueError, match="latin.jsonl: not UTF-8 text"):
         load_jsonl(tmp_path / "latin.jsonl")
