@@ -2,6 +2,7 @@
 the errors of a model that is not there, the warm-up's prompts, teacher and labels (spied on). The toy warm-up
 is exercised end to end by every train.py test; the GGUF loader on the real SmolLM2 file in tests/test_real_model.py."""
 import argparse
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,3 +220,20 @@ def test_the_gguf_de_quantising_line_goes_to_stderr(tmp_path, monkeypatch, capsy
         models.pretrained_folder(str(tmp_path / "m.gguf"), cache_dir=tmp_path / "cache")
     out, err = capsys.readouterr()
     assert out == "" and "de-quantising" in err and "m.gguf once into" in err
+
+
+def test_a_kill_while_the_old_folder_is_removed_leaves_the_new_one_whole(tmp_path, monkeypatch):
+    # the old folder is renamed aside and removed only once the new one is in place: a kill in the middle of
+    # that removal (rmtree is no atomic step) leaves the new folder whole where the checkpoint is read, and
+    # the half-removed old one under a name that passes for no checkpoint
+    target = tmp_path / "step-000002"
+    models.save_atomically(target, lambda tmp: [(tmp / f"{i}.txt").write_text("old") for i in range(3)])
+
+    def killed(path, *args, **kwargs):                               # removes one file, then the kill comes
+        sorted(Path(path).rglob("*.txt"))[0].unlink()
+        raise KeyboardInterrupt
+    monkeypatch.setattr(models.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        models.save_atomically(target, lambda tmp: [(tmp / f"{i}.txt").write_text("new") for i in range(3)])
+    assert {p.name: p.read_text() for p in target.iterdir()} == {f"{i}.txt": "new" for i in range(3)}
+    assert models.checkpoints(tmp_path) == [target]
