@@ -237,3 +237,21 @@ def test_a_kill_while_the_old_folder_is_removed_leaves_the_new_one_whole(tmp_pat
         models.save_atomically(target, lambda tmp: [(tmp / f"{i}.txt").write_text("new") for i in range(3)])
     assert {p.name: p.read_text() for p in target.iterdir()} == {f"{i}.txt": "new" for i in range(3)}
     assert models.checkpoints(tmp_path) == [target]
+
+
+def test_warm_up_steps_at_its_documented_lr_with_its_gradient_clipped_to_1(monkeypatch):
+    # warm_up's docstring: lr 3e-3 * min(1, (s + 1) / 50) * (1 - s / steps), and every gradient clipped to norm 1
+    # (a random toy model's gradients are larger); recorded as each AdamW step sees them
+    seen = []
+
+    class Recorded(torch.optim.AdamW):
+        def step(self, *args, **kwargs):
+            grads = [p.grad.flatten() for group in self.param_groups for p in group["params"] if p.grad is not None]
+            seen.append((self.param_groups[0]["lr"], torch.cat(grads).norm().item()))
+            return super().step(*args, **kwargs)
+    monkeypatch.setattr(torch.optim, "AdamW", Recorded)
+    tokenizer = tasks.char_tokenizer()
+    torch.manual_seed(0)
+    models.warm_up(models.toy_model(tokenizer), tokenizer, "sort", 4, (4, 8))
+    assert [lr for lr, _ in seen] == pytest.approx([3e-3 * min(1, (s + 1) / 50) * (1 - s / 4) for s in range(4)])
+    assert all(norm == pytest.approx(1.0, rel=1e-4) for _, norm in seen), seen
