@@ -255,3 +255,19 @@ def test_warm_up_steps_at_its_documented_lr_with_its_gradient_clipped_to_1(monke
     models.warm_up(models.toy_model(tokenizer), tokenizer, "sort", 4, (4, 8))
     assert [lr for lr, _ in seen] == pytest.approx([3e-3 * min(1, (s + 1) / 50) * (1 - s / 4) for s in range(4)])
     assert all(norm == pytest.approx(1.0, rel=1e-4) for _, norm in seen), seen
+
+
+def test_two_gguf_files_of_one_name_get_cache_folders_of_their_own(tmp_path, monkeypatch, capsys):
+    # the de-quantised copy is keyed by the file's whole path, not its name: a model.gguf in another folder is
+    # another model (the load is stopped right after the de-quantising line, at the tokenizer)
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: True)   # gguf, accelerate: as if installed
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("stop here"))
+    cached = []
+    for folder in ("a", "b", "a"):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        (tmp_path / folder / "m.gguf").write_bytes(b"")
+        with pytest.raises(pytest.fail.Exception, match="stop here"):
+            models.pretrained_folder(str(tmp_path / folder / "m.gguf"), cache_dir=tmp_path / "cache")
+        cached.append(capsys.readouterr().err.split(" once into ")[1].strip())
+    assert cached[0] != cached[1] and cached[0] == cached[2]          # the same file: the same copy
+    assert all(Path(c).parent == tmp_path / "cache" and Path(c).name.startswith("m-") for c in cached)
