@@ -131,6 +131,7 @@ def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
     (["--schedule", "s.json", "--controller", "0.86"], "give --schedule FILE or --controller THRESHOLD, not both"),
     (["--controller", "0.86", "--policy", "full"], "--policy full keeps everything"),
     (["--controller", "2"], "--controller THRESHOLD is a 5th-percentile acceptance in \\[0, 1\\] .*got 2.0"),
+    (["--distill", "ppo-kl", "--policy", "full"], "--distill trains an adapter for a sparse sampler"),   # both kinds
     (["--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
     (["--distill-lambda", "-1"], "--distill-lambda must be >= 0, got -1.0"),
     (["--lora-lr-scale", "0"], "--lora-lr-scale must be > 0, got 0.0"),
