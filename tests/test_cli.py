@@ -146,3 +146,12 @@ def test_each_bad_value_is_one_clear_line_before_training(tmp_path, argv, messag
         train.main(argv + ["--out", str(tmp_path / "run")])
     assert str(exit_info.value).startswith("error: ") and "\n" not in str(exit_info.value)
     assert not (tmp_path / "run" / "warmup").exists()                 # nothing was trained
+
+
+def test_evaluate_only_takes_temperature_0():
+    # the greedy check is training's: an evaluation (--steps 0) decodes greedily whatever --temperature says, so
+    # a --temperature 0 there is no error (evaluate.py passes train.py's flags, its run's temperature included)
+    for argv in (["--steps", "0", "--temperature", "0"], ["--steps", "0", "--temperature", "0", "--eval-budgets", "8"]):
+        assert cli.check_args(cli.parse_args(argv)) is None
+    with pytest.raises(ValueError, match="--temperature 0 samples greedily"):
+        cli.check_args(cli.parse_args(["--steps", "1", "--temperature", "0"]))
