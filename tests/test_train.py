@@ -609,3 +609,38 @@ def test_a_data_file_is_split_into_disjoint_training_and_held_out_examples(tmp_p
     args = train.parse_args(["--model", "m", "--data", str(data), "--eval-data", str(data), "--eval-size", "3"])
     training, held_out = train.load_data(args)
     assert len(training) == 12 and [e["answer"] for e in held_out] == ["1", "2", "3"]
+
+
+def test_the_summary_prints_the_numbers_of_its_history_by_hand(tmp_path, capsys):
+    """train.summary on 25 hand-made steps (so that the first 20 and the last 20 differ) and a hand-made eval.jsonl:
+    every number of its table and lines, worked out by hand in the comments."""
+    T = S.THRESHOLD
+    history = [dict(step=s, reward=s / 100, peak_kv_bytes=2048, dense_kv_bytes=8192, vetoed=int(s % 5 == 0),
+                    dropped_tokens=2 if s % 2 else 4, tokens=10, rho_mean=1 + (s - 13) / 1000, alpha_p05=0.7 + s / 250,
+                    bin_size=16, alpha_p05_by_bin=[0.9, None] if s <= 10 else [T, 0.95] if s <= 20 else [0.5, 0.9, 0.8])
+               for s in range(1, 26)]
+    evals = [dict(step=0, dense=0.1, sparse=0.2), dict(step=25, dense=0.75, sparse=0.5)]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    sparse = SparseConfig("snapkv", budget=12, interval=4, window=4, sink=2)
+    train.summary(tmp_path, dict(dense=0.25, sparse=0.125), evals[1], history, sparse, 90.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert "| before RL | 0.250 | 0.125 |" in lines and "| after RL  | 0.750 | 0.500 |" in lines
+    assert "| accuracy (greedy, 25 steps run) | dense inference | sparse (snapkv, budget 12) |" in lines
+    assert "peak KV of the sparse rollouts: 2 KiB per step, 25.0% of a full cache (8 KiB)" in lines
+    # vetoed on steps 5, 10, ..., 25; dropped 13 x 2 + 12 x 4 = 74 of 250 tokens
+    assert "the correction's rejection: 5 responses vetoed, 29.6% of response tokens dropped" in lines
+    # steps 1-20: mean 10.5 / 100; steps 6-25: 15.5 / 100
+    assert "training reward of the sparse rollouts: 0.105 over the first 20 steps, 0.155 over the last 20" in lines
+    # rho: 1 + mean(s - 13) / 1000 = 1; alpha p05: 0.7 + 13 / 250
+    assert "mismatch: mean rho 1.000, alpha p05 0.752 (mean over steps)" in lines
+    # steps 6-25 by bin: (5 x 0.9 + 10 x 0.86 + 5 x 0.5) / 20 = 0.78; (10 x 0.95 + 5 x 0.9) / 15; 0.8 on 21-25 alone.
+    # Every bin held on steps 1-20 (exactly 0.86 holds), not on 21-25
+    assert (f"alpha p05 by context length, mean over the last 20 steps: 0-15: 0.780, 16-31: 0.933, 32-47: 0.800; "
+            f">= {T} in every bin on 20 of 25 steps") in lines
+    assert lines[-1] == f"wall time: 1.5 min; metrics in {tmp_path}/metrics.jsonl"
+    # a resumed run (no first evaluation of its own) reads its "before" from eval.jsonl's first line, and names
+    # the steps it ran (11-25: mean 18 / 100)
+    train.summary(tmp_path, None, evals[1], history[10:], sparse, 90.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert "| before RL | 0.100 | 0.200 |" in lines
+    assert "training reward of the sparse rollouts: 0.180 over steps 11-25, 0.180 over the last 15" in lines
