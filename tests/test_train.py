@@ -644,3 +644,27 @@ def test_the_summary_prints_the_numbers_of_its_history_by_hand(tmp_path, capsys)
     lines = capsys.readouterr().out.splitlines()
     assert "| before RL | 0.100 | 0.200 |" in lines
     assert "training reward of the sparse rollouts: 0.180 over steps 11-25, 0.180 over the last 15" in lines
+
+
+def test_update_shuffles_its_minibatches_by_the_step_seed(warm, monkeypatch):
+    # step_seed is the one source of a step's randomness, the learner's shuffle included: with minibatches of 4 of
+    # the 16 rollouts, which rollouts share an AdamW step is a function of the seed rl_step hands `update`. The
+    # rows of each micro-batch are read from the advantages, set to the row numbers (SGD at lr 0: nothing moves)
+    learner = spy(monkeypatch, train, "update")
+    args = train.parse_args(SMALL + ["--minibatch", "4", "--micro-batch", "2", "--ppo-epochs", "2", "--seed", "1"])
+    model, tokenizer = models.load_pretrained(str(warm))
+    small_step(model, tokenizer, args, step=3)
+    (_, _, rollouts, logp_old, _, mask, weights, _, _, seed), _, _ = learner[0]
+    assert seed == train.step_seed(args, 3)
+    losses = spy(monkeypatch, train.C, "policy_loss")
+
+    def minibatches(seed):
+        losses.clear()
+        train.update(model, torch.optim.SGD(model.parameters(), lr=0.0), rollouts, logp_old,
+                     torch.arange(16.0), mask, weights, None, args, seed)
+        rows = [a[2].long().tolist() for a, _, _ in losses]             # micro-batches of 2, minibatches of 4
+        batches = [frozenset(rows[i] + rows[i + 1]) for i in range(0, len(rows), 2)]
+        for epoch in (batches[:4], batches[4:]):                        # every epoch: each rollout once
+            assert sorted(r for b in epoch for r in b) == list(range(16))
+        return batches
+    assert minibatches(seed) == minibatches(seed) != minibatches(seed + 1)
