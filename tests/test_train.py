@@ -668,3 +668,19 @@ def test_update_shuffles_its_minibatches_by_the_step_seed(warm, monkeypatch):
             assert sorted(r for b in epoch for r in b) == list(range(16))
         return batches
     assert minibatches(seed) == minibatches(seed) != minibatches(seed + 1)
+
+
+def test_the_steps_loss_and_clip_fraction_are_means_over_its_adamw_steps(warm, monkeypatch):
+    # 2 epochs of 16 rollouts in minibatches of 8, each in micro-batches of 3, 3 and 2 (seq-mean: a micro-batch is
+    # rows / 8 of its minibatch's mean); lr 1e-2 moves the weights enough that some later minibatches clip. The step's
+    # loss and clip_frac: the mean over the 4 AdamW steps of each minibatch's own, from the policy_loss outputs
+    calls = spy(monkeypatch, train.C, "policy_loss")
+    args = train.parse_args(SMALL + ["--ppo-epochs", "2", "--minibatch", "8", "--micro-batch", "3"])
+    model, tokenizer = models.load_pretrained(str(warm))
+    metrics = small_step(model, tokenizer, args, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert [len(a[0]) for a, _, _ in calls] == [3, 3, 2] * 4
+    parts = [(len(a[0]) / 8 * out[0].item(), len(a[0]) / 8 * out[1]["clip_frac"]) for a, _, out in calls]
+    steps = [[sum(p[j] for p in parts[i: i + 3]) for j in (0, 1)] for i in range(0, 12, 3)]   # per AdamW step
+    assert len({round(loss, 6) for loss, _ in steps}) == 4 and len({round(clip, 6) for _, clip in steps}) > 1
+    assert metrics["loss"] == pytest.approx(sum(loss for loss, _ in steps) / 4, rel=1e-5)
+    assert metrics["clip_frac"] == pytest.approx(sum(clip for _, clip in steps) / 4, rel=1e-5)
