@@ -684,3 +684,15 @@ def test_the_steps_loss_and_clip_fraction_are_means_over_its_adamw_steps(warm, m
     assert len({round(loss, 6) for loss, _ in steps}) == 4 and len({round(clip, 6) for _, clip in steps}) > 1
     assert metrics["loss"] == pytest.approx(sum(loss for loss, _ in steps) / 4, rel=1e-5)
     assert metrics["clip_frac"] == pytest.approx(sum(clip for _, clip in steps) / 4, rel=1e-5)
+
+
+def test_a_data_file_that_leaves_exactly_a_steps_prompts_trains_on_all_of_them(tmp_path):
+    # 12 lines, 3 held out: 9 training examples make a step of --prompts 9 (each once), not of 10
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join('{"question": "1+%d?", "answer": "#### %d"}\n' % (i, i + 1) for i in range(12)))
+    argv = ["--model", "m", "--data", str(data), "--eval-size", "3", "--prompts"]
+    args = train.parse_args(argv + ["9"])
+    training, _ = train.load_data(args)
+    assert sorted(int(e["answer"]) for e in train.step_examples(args, training, 1)) == list(range(1, 10))
+    with pytest.raises(ValueError, match="leaves 9 training examples after the 3 held out .* --prompts 10"):
+        train.load_data(train.parse_args(argv + ["10"]))
