@@ -696,3 +696,16 @@ def test_a_data_file_that_leaves_exactly_a_steps_prompts_trains_on_all_of_them(t
     assert sorted(int(e["answer"]) for e in train.step_examples(args, training, 1)) == list(range(1, 10))
     with pytest.raises(ValueError, match="leaves 9 training examples after the 3 held out .* --prompts 10"):
         train.load_data(train.parse_args(argv + ["10"]))
+
+
+def test_bf16_runs_every_forward_of_a_step_under_autocast(warm, monkeypatch):
+    # --dtype bfloat16: sampling, re-scoring and the update's forward passes all run under bf16 autocast (the
+    # backward outside it); read inside each call as it runs
+    seen = {}
+    for owner, name in ((train, "generate"), (train.C, "dense_logprobs"), (train.C, "response_logprobs")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, real=real, name=name, **k: seen.setdefault(name, set()).add(
+            torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")) or real(*a, **k))
+    model, tokenizer = models.load_pretrained(str(warm))
+    small_step(model, tokenizer, train.parse_args(SMALL + ["--dtype", "bfloat16"]))
+    assert seen == {name: {torch.bfloat16} for name in ("generate", "dense_logprobs", "response_logprobs")}
