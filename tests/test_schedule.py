@@ -103,13 +103,12 @@ def test_measure_samples_with_the_adapter_and_rescores_densely_at_the_sampling_t
     assert alpha[contexts >= 0].mean() < 0.99                           # the adapter really moved the sampler
 
 
-def test_calibrate_on_a_simulated_streaming_cache_by_hand(monkeypatch):
-    # A stand-in for `measure` [1, 16]: one response sampled at contexts 4..19 (bins of 4: bin 0 holds no token)
-    # through a cache that keeps the newest b(c) tokens at context c and never gets an evicted one back. The token
-    # at context c needs the one D(c) back: D = 4 at c = 8 (bin 2's first), 6 at c = 12 (bin 3's first), else 2.
-    # Its acceptance is exactly the threshold, 0.86, if that token is still cached (the bin holds), else 0.5.
-    D = {c: {8: 4, 12: 6}.get(c, 2) for c in range(4, 20)}
-    tried = []                                                          # the schedules calibrate measured, in order
+def simulated_streaming(monkeypatch, D):
+    """Put a stand-in for `measure` in place: one response sampled at the contexts of D (a dict context -> how
+    far back the token at that context looks) through a cache that keeps the newest b(c) tokens at context c and
+    never gets an evicted one back. A token's acceptance is THRESHOLD if the token D(c) back is still cached, else
+    0.5. Returns the list of the schedules (budgets per bin, None: dense) it is given, filled as calibrate runs."""
+    tried = []
 
     def fake_measure(model, prompts, sparse, max_new_tokens, **sampling):
         budget = (lambda c: sparse.budget) if sparse.schedule is None else sparse.schedule
@@ -119,6 +118,15 @@ def test_calibrate_on_a_simulated_streaming_cache_by_hand(monkeypatch):
         return torch.tensor([[THRESHOLD if k else 0.5 for k in kept]], dtype=torch.float64), torch.tensor([list(D)])
 
     monkeypatch.setattr(S, "measure", fake_measure)
+    return tried
+
+
+def test_calibrate_on_a_simulated_streaming_cache_by_hand(monkeypatch):
+    # `simulated_streaming` [1, 16]: one response sampled at contexts 4..19 (bins of 4: bin 0 holds no token). The
+    # token at context c needs the one D(c) back: D = 4 at c = 8 (bin 2's first), 6 at c = 12 (bin 3's first), else
+    # 2. Its acceptance is exactly the threshold, 0.86, if that token is still cached (the bin holds), else 0.5.
+    D = {c: {8: 4, 12: 6}.get(c, 2) for c in range(4, 20)}
+    tried = simulated_streaming(monkeypatch, D)                         # the schedules measured, in order
     sparse = SparseConfig("streaming", budget=2, interval=1, window=1, sink=0)   # interval 1: never above budget
     schedule, rows = calibrate(None, None, candidates=[8, 2, 4, 2], bin_size=4, sparse=sparse)   # any order
     # at a constant budget b the token D back is kept iff b >= D: bin 1 holds from 2, bin 2 from 4, bin 3 from 8,
@@ -349,23 +357,14 @@ def test_controller_leaves_a_bin_whose_tail_equals_the_threshold_alone():
 
 
 def test_calibrate_raises_the_earliest_blamed_bin_first(monkeypatch):
-    # The stand-in `measure` of the simulated streaming cache above (bins of 4, contexts 4-19, each token needs
-    # the one D(c) back, alpha 0.86 if kept, else 0.5), with D = 6 at c = 9 (bin 2) and 8 at c = 12 (bin 3).
+    # `simulated_streaming` (bins of 4, contexts 4-19, each token needs the one D(c) back, alpha 0.86 if kept,
+    # else 0.5), with D = 6 at c = 9 (bin 2) and 8 at c = 12 (bin 3).
     # Held constant, bins 2 and 3 need 8, the rest 2: -> [2, 2, 8, 8, 8]. Under it both fail, for positions 3 and
     # 4 evicted at contexts 5-7 by bin 1's 2; bin 2 compresses nothing (it holds 3-6 tokens), so it blames bin 1,
     # bin 3 compresses (at 13) and blames itself. The earliest blamed bin moves: bin 1 -> 4, and both hold.
     # Raising bin 3 first would make it (and bin 4) dense for nothing: [2, 4, 8, None, None].
     D = {c: {9: 6, 12: 8}.get(c, 2) for c in range(4, 20)}
-    tried = []
-
-    def fake_measure(model, prompts, sparse, max_new_tokens, **sampling):
-        budget = (lambda c: sparse.budget) if sparse.schedule is None else sparse.schedule
-        if sparse.schedule is not None:
-            tried.append([None if budget(b) >= DENSE else budget(b) for b in sparse.schedule.bins])
-        kept = [all(c2 - budget(c2) <= c - D[c] for c2 in range(c - D[c] + 1, c + 1)) for c in D]
-        return torch.tensor([[THRESHOLD if k else 0.5 for k in kept]], dtype=torch.float64), torch.tensor([list(D)])
-
-    monkeypatch.setattr(S, "measure", fake_measure)
+    tried = simulated_streaming(monkeypatch, D)
     sparse = SparseConfig("streaming", budget=2, interval=1, window=1, sink=0)
     schedule, rows = calibrate(None, None, candidates=[2, 4, 8], bin_size=4, sparse=sparse)
     assert tried == [[2, 2, 8, 8, 8], [2, 4, 8, 8, 8]]
