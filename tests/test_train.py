@@ -696,6 +696,8 @@ def test_a_data_file_that_leaves_exactly_a_steps_prompts_trains_on_all_of_them(t
     assert sorted(int(e["answer"]) for e in train.step_examples(args, training, 1)) == list(range(1, 10))
     with pytest.raises(ValueError, match="leaves 9 training examples after the 3 held out .* --prompts 10"):
         train.load_data(train.parse_args(argv + ["10"]))
+    training, held_out = train.load_data(train.parse_args(argv + ["10", "--steps", "0"]))   # evaluate only: no step
+    assert len(training) == 9 and [e["answer"] for e in held_out] == ["10", "11", "12"]
 
 
 def test_bf16_runs_every_forward_of_a_step_under_autocast(warm, monkeypatch):
