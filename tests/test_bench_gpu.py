@@ -207,3 +207,24 @@ def test_report_lines_reach_the_file_before_the_run_ends(tmp_path):
     report.table("### T", ["a", "b"])
     report.row([1, 2])
     assert (tmp_path / "new" / "t.md").read_text().endswith("| a | b |\n|---|---|\n| 1 | 2 |\n")
+
+
+def test_kv_read_bytes_of_the_1_7b_shape_by_hand():
+    # Pins kv_read_bytes, the bytes behind table 1's and table 4's "of the bandwidth bound" (the README's GPU table):
+    # 28 layers, 8 KV heads of 2048 / 16 = 128, batch 64, bf16: one layer's K and V of one token, every row, is
+    # 2 x 8 x 128 x 2 bytes x 64 = 262144 bytes (256 KiB)
+    s = dict(layers=28, hidden=2048, heads=16, kv_heads=8, batch=64, budget=512, interval=128)
+    assert (SparseConfig.page_size, SparseConfig.dense_layers, bench_gpu.RESERVED_PAGES) == (16, 2, 3)
+    # dense at context 1024: 28 x 256 KiB x 1024 = 7 GiB
+    assert bench_gpu.kv_read_bytes(s, "full", 1024, 64) == 7 * 2**30
+    # eviction holds 512 .. 512 + 128 tokens: 576 on average, at any context: 28 x 256 KiB x 576
+    for name in bench.EVICTION:
+        assert bench_gpu.kv_read_bytes(s, name, 1024, 64) == 28 * 262144 * 576 == 4227858432
+    # block top-k at 1024: 2 dense layers read 1024 tokens, 26 read 512 // 16 + 3 = 35 pages = 560 tokens, and
+    # 1024 / 16 = 64 fp32 page key sums of 8 x 128 x 4 bytes x 64 rows = 262144 bytes a page:
+    # 262144 x (2 x 1024 + 26 x 560 + 26 x 64) = 262144 x 18272
+    assert bench_gpu.kv_read_bytes(s, "blocktopk", 1024, 64) == 262144 * 18272 == 4789895168
+    # at context 300 (under 560) the sparse layers read what there is: 262144 x (28 x 300 + 26 x 300 / 16)
+    assert bench_gpu.kv_read_bytes(s, "blocktopk", 300, 64) == 262144 * (28 * 300 + 26 * 18.75) == 2329804800
+    # batch and budget are the arguments', not the settings' (table 4 times another batch at its search budget)
+    assert bench_gpu.kv_read_bytes(s, "snapkv", 1024, 1, budget=1024) == 28 * 4096 * (1024 + 64)
