@@ -228,3 +228,18 @@ def test_kv_read_bytes_of_the_1_7b_shape_by_hand():
     assert bench_gpu.kv_read_bytes(s, "blocktopk", 300, 64) == 262144 * (28 * 300 + 26 * 18.75) == 2329804800
     # batch and budget are the arguments', not the settings' (table 4 times another batch at its search budget)
     assert bench_gpu.kv_read_bytes(s, "snapkv", 1024, 1, budget=1024) == 28 * 4096 * (1024 + 64)
+
+
+def test_measure_row_shares_weights_and_kv_at_the_windows_middle_over_the_step_time(monkeypatch):
+    # Pins measure_row's "of the bandwidth bound": (weights + the KV read at the timed window's middle context)
+    # / step seconds / bandwidth, on a fake window_run of 0.25 s a step. TINY, batch 4: one layer's K and V of a
+    # token is 2 x 2 KV heads x 16 x 2 bytes x 4 rows = 512 bytes, 2 layers. Dense 32+64: prompt 32 + 32 - 8 - 4
+    # = 52, 4 warm steps, the window's contexts 56-72: middle 64 -> 2 x 512 x 64 = 65536 bytes; eviction holds
+    # 32 .. 32 + 8: 2 x 512 x 36 = 36864
+    monkeypatch.setattr(bench_gpu, "window_run", lambda *a, **k: dict(step_s=0.25, kv_tokens=40, tokens=None))
+    s = bench_gpu.TINY
+    full = bench_gpu.measure_row(None, s, "full", "new", {}, 1e9, 10_000)
+    assert (full["first"], full["steps"]) == (56, 20)
+    assert full["bandwidth_share"] == pytest.approx((10_000 + 65536) / 0.25 / 1e9)
+    evicting = bench_gpu.measure_row(None, s, "snapkv", "any", {}, 1e9, 10_000)
+    assert evicting["bandwidth_share"] == pytest.approx((10_000 + 36864) / 0.25 / 1e9)
