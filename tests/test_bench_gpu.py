@@ -243,3 +243,15 @@ def test_measure_row_shares_weights_and_kv_at_the_windows_middle_over_the_step_t
     assert full["bandwidth_share"] == pytest.approx((10_000 + 65536) / 0.25 / 1e9)
     evicting = bench_gpu.measure_row(None, s, "snapkv", "any", {}, 1e9, 10_000)
     assert evicting["bandwidth_share"] == pytest.approx((10_000 + 36864) / 0.25 / 1e9)
+
+
+def test_window_run_times_the_last_window_passes_on_a_pass_counting_clock(monkeypatch):
+    # Pins window_run's timing on a clock that reads the model's forward passes so far: 20 decode passes (the
+    # prefill and 19 steps), the clock started before pass 20 - 16 = 4, read again at the end: 16 passes = 16 "s";
+    # tokens/s = batch 2 x window 16 / 16 = 2.0 and a step 16 / 16 = 1.0 (not / 20 steps, nor one pass more)
+    model, passes = bench_gpu.qwen3_model(bench_gpu.TINY, torch.device("cpu")), []
+    model.register_forward_pre_hook(lambda *args: passes.append(1))
+    monkeypatch.setattr(bench_gpu, "clock", lambda device: float(len(passes)))
+    r = bench_gpu.window_run(model, bench_gpu.TINY, "full", 8, 20, batch=2)
+    assert len(passes) == 20 and (r["tokens_per_s"], r["step_s"]) == (2.0, 1.0)
+    assert r["tokens"].shape == (2, 20) and r["kv_tokens"] == 8 + 20 - 1
