@@ -255,3 +255,15 @@ def test_window_run_times_the_last_window_passes_on_a_pass_counting_clock(monkey
     r = bench_gpu.window_run(model, bench_gpu.TINY, "full", 8, 20, batch=2)
     assert len(passes) == 20 and (r["tokens_per_s"], r["step_s"]) == (2.0, 1.0)
     assert r["tokens"].shape == (2, 20) and r["kv_tokens"] == 8 + 20 - 1
+
+
+@pytest.mark.parametrize("prompt", [23, 24, 50])
+def test_rollout_kv_tokens_is_the_peak_the_sampler_holds(prompt):
+    # Pins rollout_kv_tokens ("KV of the whole rollout") against the sampler's own peak, at budget 16 + interval 8:
+    # a prompt of 23 peaks at 24 (budget + interval); one of 24 or 50 is kept whole and one fed token joins it
+    # before the first compression: 25, 51 (not 24, 50); dense: prompt + 30 new - 1 (the last is never fed)
+    s = dict(bench_gpu.TINY, prompt=prompt, interval=8)
+    model, ids = bench_gpu.qwen3_model(s, torch.device("cpu")), bench.random_ids(s, 2, prompt)
+    for name, expected in (("snapkv", max(prompt + 1, 24)), ("streaming", max(prompt + 1, 24)), ("full", prompt + 29)):
+        peak = bench.greedy(model, ids, name, 30, 16, 8)[1]
+        assert bench_gpu.rollout_kv_tokens(s, name, 30, budget=16) == peak == expected
