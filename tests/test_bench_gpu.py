@@ -267,3 +267,15 @@ def test_rollout_kv_tokens_is_the_peak_the_sampler_holds(prompt):
     for name, expected in (("snapkv", max(prompt + 1, 24)), ("streaming", max(prompt + 1, 24)), ("full", prompt + 29)):
         peak = bench.greedy(model, ids, name, 30, 16, 8)[1]
         assert bench_gpu.rollout_kv_tokens(s, name, 30, budget=16) == peak == expected
+
+
+@pytest.mark.parametrize("policy", ["full", "snapkv"])
+def test_a_fit_test_runs_the_prefill_and_fit_steps_decode_passes(policy):
+    # Pins fits' stop: the prefill and fit_steps (2) decode steps allocate, then Enough ends the rollout before
+    # pass 3: 3 forward passes (2 would leave the decode step that grows the cache past the prefill untested)
+    s = dict(bench_gpu.TINY)
+    model, passes, peaks = bench_gpu.qwen3_model(s, torch.device("cpu")), [], {}
+    model.register_forward_pre_hook(lambda *args: passes.append(1))
+    sparse = SparseConfig(policy, budget=s["search_budget"], interval=s["interval"])
+    assert bench_gpu.fits(model, s, sparse, 2, peaks) and peaks == {2: None}     # fitted; a CPU keeps no peak
+    assert len(passes) == 1 + s["fit_steps"] == 3
