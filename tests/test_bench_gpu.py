@@ -279,3 +279,16 @@ def test_a_fit_test_runs_the_prefill_and_fit_steps_decode_passes(policy):
     sparse = SparseConfig(policy, budget=s["search_budget"], interval=s["interval"])
     assert bench_gpu.fits(model, s, sparse, 2, peaks) and peaks == {2: None}     # fitted; a CPU keeps no peak
     assert len(passes) == 1 + s["fit_steps"] == 3
+
+
+def test_largest_batch_leaves_a_gap_of_at_most_a_sixteenth_of_what_fits():
+    # Pins largest_batch's stopping rule by brute force over every limit up to 400: the batch found fits, and the
+    # smallest batch tried that did not fit is at most max(1, found // 16) above it (or found is the cap). E.g. a
+    # limit of 100 from 64: 64 yes, 128 no, 96 yes, 112 no, 104 no, 100 yes: the gap 4 <= 6 (96 with 104 failing,
+    # a gap of 8, would be a 1/12 gap)
+    assert bench_gpu.largest_batch(lambda b: b <= 100, 64, 1024)[0] == 100
+    for limit in range(0, 401):
+        found, tries = bench_gpu.largest_batch(lambda b: b <= limit, 64, 1024)
+        failed = min((b for b, ok in tries if not ok), default=None)
+        assert found <= limit and (found == 0 or (found, True) in tries)
+        assert failed is not None and failed - found <= max(1, found // 16)
