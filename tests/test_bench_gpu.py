@@ -292,3 +292,34 @@ def test_largest_batch_leaves_a_gap_of_at_most_a_sixteenth_of_what_fits():
         failed = min((b for b, ok in tries if not ok), default=None)
         assert found <= limit and (found == 0 or (found, True) in tries)
         assert failed is not None and failed - found <= max(1, found // 16)
+
+
+def test_table_4_times_each_found_batch_and_shares_its_bandwidth_by_hand(tmp_path, monkeypatch):
+    # Pins table_4 / measure_batch on a fake search (dense finds 63, SnapKV the cap 64) and a fake timed run of
+    # 0.5 s a step that runs out of memory above batch 50 for SnapKV: 1/16 less each time, 64 -> 60 -> 57 -> 54 ->
+    # 51 -> 48. Decode steps 28 + 16 = 44 from the 32-token prompt at budget 48 (plan), the window's contexts 60-76.
+    # Bandwidth share = (weights 10000 + KV read) / 0.5 s / 1e9: dense at batch 63 and the middle context 68 reads
+    # 2 layers x 2 x 2 KV heads x 16 x 2 bytes x 63 x 68 = 1096704; SnapKV at batch 48 and budget 48 (not the
+    # settings' 4 rows, budget 32) holds 48 .. 56 slots: 2 x 2 x 2 x 16 x 2 x 48 x 52 = 638976. KV per row (formula):
+    # dense 32 + 96 - 1 = 127 tokens x 2 x 2 x 2 x 16 x 2 bytes = 32512 bytes = 0.03 MiB at batch 1
+    found, calls = iter([(63, [(64, False), (63, True)]), (64, [(64, True)])]), []
+    monkeypatch.setattr(bench_gpu, "largest_batch", lambda fits, start, cap: next(found))
+
+    def window_run(model, s, sampler, prompt_len, steps, budget=None, batch=None):
+        calls.append((sampler, prompt_len, steps, budget, batch))
+        if sampler == "snapkv" and batch > 50:
+            raise torch.OutOfMemoryError("fake limit")
+        return dict(tokens_per_s={"full": 100.0, "snapkv": 300.0}[sampler], step_s=0.5, peak_bytes=None, tokens=None)
+    monkeypatch.setattr(bench_gpu, "window_run", window_run)
+    s = dict(bench_gpu.TINY, search_cap=64, stop_at=float("inf"))
+    report = bench_gpu.Report(tmp_path / "t4.md")
+    record = dict(batch={}, errors={}, device=torch.device("cpu"))
+    bench_gpu.table_4(type("M", (), dict(device=torch.device("cpu")))(), s, report, record, 1e9, 10_000)
+    assert calls == [("full", 32, 44, 48, 63)] + [("snapkv", 32, 44, 48, b) for b in (64, 60, 57, 54, 51, 48)]
+    full, snapkv = record["batch"]["full"], record["batch"]["snapkv"]
+    assert full["bandwidth_share"] == pytest.approx((10_000 + 1096704) / 0.5 / 1e9)
+    assert snapkv["bandwidth_share"] == pytest.approx((10_000 + 638976) / 0.5 / 1e9)
+    assert (snapkv["found"], snapkv["batch"]) == (64, 48)
+    text = (tmp_path / "t4.md").read_text()
+    assert "| ours full | 63 | 64: no, 63: yes | n/a | 0.03 MiB | 100 | 1.00x | 0.2 % |" in text
+    assert "| ours snapkv, budget 48 | 64 (the cap), timed at 48 | 64: yes | n/a | 0.01 MiB | 300 | 3.00x | 0.1 % |" in text
