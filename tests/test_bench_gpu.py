@@ -323,3 +323,14 @@ def test_table_4_times_each_found_batch_and_shares_its_bandwidth_by_hand(tmp_pat
     text = (tmp_path / "t4.md").read_text()
     assert "| ours full | 63 | 64: no, 63: yes | n/a | 0.03 MiB | 100 | 1.00x | 0.2 % |" in text
     assert "| ours snapkv, budget 48 | 64 (the cap), timed at 48 | 64: yes | n/a | 0.01 MiB | 300 | 3.00x | 0.1 % |" in text
+
+
+def test_size_and_an_unmeasured_row_by_hand(tmp_path):
+    # Pins size's binary units (3 x 2^30 bytes are 3.00 GiB, not 3.22 as 1e9 would print) and unmeasured's
+    # width: a 4-column table, one cell and the reason leave exactly 2 "-" cells, not 3
+    assert [bench_gpu.size(3 * 2**30), bench_gpu.size(1.5 * 2**20), bench_gpu.size(2**30 - 2**20), bench_gpu.size(None)] \
+        == ["3.00 GiB", "1.50 MiB", "1023.00 MiB", "n/a"]
+    report = bench_gpu.Report(tmp_path / "u.md")
+    report.table("### U", ["a", "b", "c", "d"])
+    report.unmeasured(["x"], "skipped")
+    assert (tmp_path / "u.md").read_text().endswith("|---|---|---|---|\n| x | skipped | - | - |\n")
