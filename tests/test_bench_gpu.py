@@ -334,3 +334,25 @@ def test_size_and_an_unmeasured_row_by_hand(tmp_path):
     report.table("### U", ["a", "b", "c", "d"])
     report.unmeasured(["x"], "skipped")
     assert (tmp_path / "u.md").read_text().endswith("|---|---|---|---|\n| x | skipped | - | - |\n")
+
+
+def test_the_targets_are_ratios_of_the_right_rows_by_hand(tmp_path):
+    # Pins targets on a hand-made record: every target's numerator and denominator. Table 1's tokens/s: HF 100
+    # (32+64) and 50 (32+128), dense 120 and 70, the four evicting caches 240, 180, 300, 200 (slowest: h2o's 180),
+    # dense captured 500 and 250, SnapKV captured 900; table 2: HF 10, dense 15; table 4: dense 8 rows at 100/s,
+    # SnapKV 20 rows at 250/s
+    rows = {"HF generate new": 100, "HF generate long_new": 50, "ours full new": 120, "ours full long_new": 70,
+            "ours streaming any": 240, "ours h2o any": 180, "ours snapkv any": 300, "ours rkv any": 200,
+            "ours full captured=True new": 500, "ours full captured=True long_new": 250,
+            "ours snapkv captured=True any": 900}
+    record = dict(rows={k: dict(tokens_per_s=v) for k, v in rows.items()}, shape={bench.HF: 10, "full": 15},
+                  batch={"full": dict(batch=8, tokens_per_s=100), "snapkv": dict(batch=20, tokens_per_s=250)})
+    bench_gpu.targets(bench_gpu.TINY, bench_gpu.Report(tmp_path / "t.md"), record)
+    assert list(record["targets"].values()) == [
+        "1.20x; 1.40x", "1.50x",                    # 120 / 100, 70 / 50; 15 / 10
+        "1.50x", "2.57x",                           # slowest eviction 180 / dense 120, 180 / 70
+        "20 / 8 = 2.50x", "2.50x",                  # batches; 250 / 100 tokens/s
+        "5.00x", "1.80x; 3.60x"]                    # 500 / HF 100 (32+64); 900 / 500, 900 / 250
+    del record["rows"]["ours rkv any"]              # one evicting row skipped: no slowest
+    bench_gpu.targets(bench_gpu.TINY, bench_gpu.Report(tmp_path / "t.md"), record)
+    assert list(record["targets"].values())[2:4] == ["-", "-"]
