@@ -356,3 +356,20 @@ def test_the_targets_are_ratios_of_the_right_rows_by_hand(tmp_path):
     del record["rows"]["ours rkv any"]              # one evicting row skipped: no slowest
     bench_gpu.targets(bench_gpu.TINY, bench_gpu.Report(tmp_path / "t.md"), record)
     assert list(record["targets"].values())[2:4] == ["-", "-"]
+
+
+def test_table_1_ratio_columns_and_table_3_logits_formula(gpu_quick):
+    # Pins table 1's "vs HF" and "vs dense" cells against the record's own tokens/s: an evicting row against dense
+    # at both lengths, a captured row against dense captured (not HF, not eager dense); and table 3's formula
+    # column: micro-batch 4 x 32 response tokens x vocabulary 512 x 4 bytes (fp32) = 262144 bytes = 0.25 MiB
+    record, text, _ = gpu_quick
+    speed = {key: row["tokens_per_s"] for key, row in record["rows"].items()}
+    cells = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): [c.strip() for c in line.strip("|").split("|")]
+             for line in text.split("### 1.")[1].split("### 2.")[0].splitlines() if line.startswith("| ours")}
+    for label, dense in (("ours snapkv", "ours full"), ("ours snapkv captured=True", "ours full captured=True")):
+        row = cells[(label, "any length")]
+        assert row[4:7] == ["-", bench.ratio(speed[f"{label} any"], speed[f"{dense} new"]),
+                            bench.ratio(speed[f"{label} any"], speed[f"{dense} long_new"])]
+    row = cells[("ours full", "32+128")]
+    assert row[4:7] == [bench.ratio(speed["ours full long_new"], speed["HF generate long_new"]), "-", "1.00x"]
+    assert "\n| 4 | n/a | 0.25 MiB | " in text.split("### 3.")[1]
