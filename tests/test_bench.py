@@ -373,3 +373,21 @@ def test_the_cpu_bench_names_its_processor_not_a_gpu_beside_it(monkeypatch, tmp_
     assert bench.cpu_name() == f"CPU {cores}"
     fake.unlink()                                                 # not Linux, or unreadable: "CPU", not an error
     assert bench.cpu_name() == f"CPU {cores}"
+
+
+def test_timed_and_rate_read_the_clock_around_the_call_and_skip_the_warm_up(monkeypatch):
+    # Pins timed (clock read before and after fn, not both before) and rate (one untimed warm-up call, then the
+    # median of `repeats` timings) on a clock that only the calls advance, by the "seconds" each one costs
+    now = [0.0]
+    monkeypatch.setattr(bench, "clock", lambda device="cpu": now[0])
+
+    def costing(*costs):
+        costs = iter(costs)
+
+        def fn():
+            now[0] += next(costs)
+            return "done"
+        return fn
+    assert bench.timed(costing(5.0)) == (5.0, "done")
+    assert bench.rate(6, costing(10.0, 2.0), repeats=1) == 3.0            # the 10 s warm-up is not timed: 6 / 2
+    assert bench.rate(12, costing(0.0, 1.0, 1.0, 4.0), repeats=3) == 12.0  # median 1 s (the mean would be 2)
