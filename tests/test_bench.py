@@ -391,3 +391,37 @@ def test_timed_and_rate_read_the_clock_around_the_call_and_skip_the_warm_up(monk
     assert bench.timed(costing(5.0)) == (5.0, "done")
     assert bench.rate(6, costing(10.0, 2.0), repeats=1) == 3.0            # the 10 s warm-up is not timed: 6 / 2
     assert bench.rate(12, costing(0.0, 1.0, 1.0, 4.0), repeats=3) == 12.0  # median 1 s (the mean would be 2)
+
+
+def test_the_slowest_eviction_the_most_choosing_the_kv_bound_and_the_disturbed_runs_by_hand():
+    # Pins report's choices among unequal samplers: batch 2 x 4 new = 8 tokens a run. Seconds (prefill 0, choosing):
+    # streaming 0.5 (0.05: 10 %), h2o 0.25 (0.1: 40 %), snapkv 0.4 (0.12: 30 %), rkv 0.2 (0.02: 10 %), blocktopk
+    # 0.5 (0.25: 50 %, not an evicting cache). Slowest eviction: streaming, 16/s against dense's 8/s; most choosing:
+    # h2o; peak KV: the largest evicting cache (snapkv's 10 tokens) of dense's 40 = 0.25, bound (16 + 8) / (16 + 4);
+    # HF's run had others at 0.1 cores, "or more": disturbed; dense's 0.05 not. Memory: HF's bytes equal the formula
+    # (2 x 3 layers x 2 KV heads x 16 x 20 tokens x 4 bytes x 2 rows = 30720); dense's 3 MiB (3.00, in 2^20), above
+    # its formula, and snapkv's 80 bytes, below its 15360, do not
+    s = dict(bench.QUICK, batch=2, new=4, long_new=8)
+    timings = {bench.HF: (2.0, None, 20), "full": (1.0, 0.0, 40), "streaming": (0.5, 0.05, 5), "h2o": (0.25, 0.1, 6),
+               "snapkv": (0.4, 0.12, 10), "rkv": (0.2, 0.02, 7), "blocktopk": (0.5, 0.25, 40)}
+    results = {}
+    for name, (seconds, evict, kv) in timings.items():
+        run = fake_run(seconds, evict=evict, kv_tokens=kv)
+        run["others"] = {bench.HF: 0.1, "full": 0.05}.get(name)
+        results[name] = bench.median_run([run])
+    results[bench.HF]["peak_kv_bytes"], results["full"]["peak_kv_bytes"] = 30720, 3 * 2**20
+    long = {"full": bench.median_run([fake_run(4.0, 0.5, 0.0)]), bench.LONG_POLICY: bench.median_run([fake_run(1.0, 0.5, 0.25)])}
+    over = dict(train_step_seconds=1.0, correction_seconds=0.001, rescore_seconds=0.5, rescore_vs_rollout=1.0,
+                rescore_vs_dense_rollout=0.5)
+    lim = dict(mm_flops=1e9, decode_flops=1e8, flops_per_token=1e6, copy_bytes_per_s=1e9, decode_bytes_per_s=1e8)
+    text, record = bench.report(s, results, long, [], over, lim, 1.0, "fake")
+    targets = record["targets"]
+    assert targets["eviction >= 1.5x dense at 16+4 (slowest: streaming)"] == "2.00x"
+    assert targets["peak KV <= (16+8)/20 of dense"] == \
+        "10 of 40 tokens = 0.2500 (bound 1.2000; dense never feeds its last token)"
+    assert targets["choosing what to evict < 10 % of decode at interval 8 (most: h2o)"] == "40.0 %"
+    assert record["disturbed_runs"] == [f"{bench.HF} 1 (0.1)"]
+    memory = text.split("### 2. Memory")[1].split("###")[0]
+    assert f"| {bench.HF} | 20 | 0.03 | 0.03 | yes | 0.010 |" in memory
+    assert "| ours full | 40 | 3.00 | 0.06 | NO | 1.000 |" in memory
+    assert "| ours snapkv | 10 | 0.00 | 0.01 | NO | 0.000 |" in memory
