@@ -425,3 +425,16 @@ def test_the_slowest_eviction_the_most_choosing_the_kv_bound_and_the_disturbed_r
     assert f"| {bench.HF} | 20 | 0.03 | 0.03 | yes | 0.010 |" in memory
     assert "| ours full | 40 | 3.00 | 0.06 | NO | 1.000 |" in memory
     assert "| ours snapkv | 10 | 0.00 | 0.01 | NO | 0.000 |" in memory
+
+
+def test_throughput_warms_up_then_alternates_the_order_of_its_rounds(monkeypatch):
+    # Pins throughput's schedule on a fake run: one warm-up of min(32, new) = 32 tokens per sampler, then round 1
+    # in order, round 2 reversed (a slow drift hits no sampler always), each of new = 48; then the long rollout
+    calls = []
+    monkeypatch.setattr(bench, "run", lambda model, ids, name, new, s: calls.append((name, new)) or fake_run(1.0))
+    names = [bench.HF, "full"] + bench.SPARSE
+    results, long = bench.throughput(None, None, dict(bench.QUICK, repeats=2))
+    assert calls == [(n, 32) for n in names] + [(n, 48) for n in names + names[::-1]] + \
+        [("full", 120), (bench.LONG_POLICY, 120)]
+    assert list(results) == names and results["full"]["all_seconds"] == [1.0, 1.0] and list(long) == ["full", "snapkv"]
+
