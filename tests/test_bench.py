@@ -438,3 +438,8 @@ def test_throughput_warms_up_then_alternates_the_order_of_its_rounds(monkeypatch
         [("full", 120), (bench.LONG_POLICY, 120)]
     assert list(results) == names and results["full"]["all_seconds"] == [1.0, 1.0] and list(long) == ["full", "snapkv"]
 
+
+def test_random_ids_never_draw_the_pad_id():
+    # Pins random_ids' range: ids from 1 (0 is the pad id); a vocabulary of 2 leaves only id 1
+    ids = bench.random_ids(dict(vocab=2), 4, 100)
+    assert ids.shape == (4, 100) and bool((ids == 1).all())
