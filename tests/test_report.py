@@ -393,3 +393,14 @@ def test_keeps_takes_train_s_held_out_prompts_and_the_shares_of_the_last_step(tm
     assert drawn == ["Pabc123de="]
     # the last step: needed (1 + 1 + .25) / 3 = 75 %; distractors (0 + 0 + .25 + .5 + .5) / 5 = 25 %
     assert "| snapkv | '7' | 75% | 25% |" in capsys.readouterr().out
+
+
+def test_first_last_steps_span_the_earliest_and_latest_of_three_seeds(tmp_path):
+    # Pins last_steps (sorted) and the "first-last" cell: seeds given ending at 10, 3 and 5 span "3-10" (not
+    # "3-5", the two smallest, nor "10-5", the set's own order), and the note lists them in order
+    steps = [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in (1, 2)]
+    groups = {"v": [report.read_run(write_run(tmp_path / f"v-s{i}", steps, [(0, .5, .5), (last, .6, .6)]))
+                    for i, last in enumerate((10, 3, 5))]}
+    assert report.comparison_rows(groups)[0][:3] == ["v", 3, "3-10"]
+    assert "the seeds of v end at different steps (3, 5, 10;" in report.report_text(groups)
+
