@@ -404,3 +404,8 @@ def test_first_last_steps_span_the_earliest_and_latest_of_three_seeds(tmp_path):
     assert report.comparison_rows(groups)[0][:3] == ["v", 3, "3-10"]
     assert "the seeds of v end at different steps (3, 5, 10;" in report.report_text(groups)
 
+
+def test_a_variant_name_may_hold_an_s_and_digits_before_its_seed():
+    # Pins variant_of's anchor: only the trailing -s<seed> goes; "h2o-s64" (a budget in the name) stays whole
+    assert report.variant_of("results/runs/h2o-s64-s1") == "h2o-s64"
+
