@@ -409,3 +409,10 @@ def test_a_variant_name_may_hold_an_s_and_digits_before_its_seed():
     # Pins variant_of's anchor: only the trailing -s<seed> goes; "h2o-s64" (a budget in the name) stays whole
     assert report.variant_of("results/runs/h2o-s64-s1") == "h2o-s64"
 
+
+def test_the_tail_bins_come_in_context_order_for_the_plot():
+    # Pins tail_by_variant's sorted bins (the tail plot draws them as a line in this order): a first step with no
+    # tokens in bin 0 puts bin 16-31 first in the pool; the curve must still run 0-15, 16-31
+    metrics = [dict(bin_size=16, alpha_p05_by_bin=[None, 0.5]), dict(bin_size=16, alpha_p05_by_bin=[0.7, 0.3])]
+    tails = report.tail_by_variant({"v": [(metrics, None)]})["v"]
+    assert list(tails.items()) == [((0, 15), 0.7), ((16, 31), pytest.approx(0.4))]
