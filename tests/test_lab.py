@@ -174,3 +174,72 @@ def test_a_file_that_does_not_parse_is_named_with_its_line(repo):
                 call()
     finally:
         path.write_text(before)
+
+
+SYNTHETIC = '''import functools
+
+
+@functools.lru_cache
+@functools.wraps(print)
+def checked(x, n):
+    """Doc."""
+    check_x(x)
+    k = n
+    if k < 0:
+        raise ValueError("n")
+    if x is None:
+        raise TypeError("x")
+    return x
+
+
+def with_else(x):
+    """Doc."""
+    if x < 0:
+        raise ValueError("x")
+    else:
+        x = 1
+    return x
+
+
+def two_statements(x):
+    """Doc."""
+    if x < 0:
+        raise ValueError("x")
+        print("after")
+    return x
+
+
+def computed_alias(n):
+    """Doc."""
+    check_n(n)
+    m = n + 1
+    if m < 0:
+        raise ValueError("m")
+    return m
+
+
+def raises_then_more(x):
+    """Doc."""
+    raise NotImplementedError("todo")
+    return x
+
+
+class Holder:
+    def method(self):
+        return 1
+'''
+
+
+def test_what_counts_as_an_argument_check_on_hand_written_functions():
+    # Pins is_check / head_statements / is_stub / function_lines / find_function on functions written for it:
+    # checked keeps its docstring, check_x(x), the alias k = n and the ValueError if (4), not the TypeError if;
+    # an if with an else, or with a second statement, is no check (1: the docstring only); a computed
+    # assignment (m = n + 1) ends the head (2); a NotImplementedError followed by more code is no stub; the
+    # function's lines start at its first decorator (line 4, 0-based 3); a method is not a top-level function
+    kept = {name: head_statements(find_function(SYNTHETIC, name))
+            for name in ("checked", "with_else", "two_statements", "computed_alias")}
+    assert kept == {"checked": 4, "with_else": 1, "two_statements": 1, "computed_alias": 2}
+    assert not lab.is_stub(find_function(SYNTHETIC, "raises_then_more"))
+    assert lab.function_lines(SYNTHETIC, "checked") == (3, 14)                # lines 4-14, 1-based
+    with pytest.raises(LabError, match="no function method at the top level"):
+        find_function(SYNTHETIC, "method")
