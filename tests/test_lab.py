@@ -243,3 +243,21 @@ def test_what_counts_as_an_argument_check_on_hand_written_functions():
     assert lab.function_lines(SYNTHETIC, "checked") == (3, 14)                # lines 4-14, 1-based
     with pytest.raises(LabError, match="no function method at the top level"):
         find_function(SYNTHETIC, "method")
+
+
+def test_reset_takes_the_newest_unstubbed_version_of_the_function(tmp_path):
+    # Pins original_function's history order: schedule.py committed, then tail_by_bin edited and committed, then
+    # the stub committed (as a student might): reset must bring back the edited version, not the first commit's
+    root = tmp_path / "r"
+    root.mkdir()
+    first = (lab.ROOT / "schedule.py").read_text()
+    newer = first.replace("def tail_by_bin(", "def tail_by_bin(  # newer\n        ", 1)
+    assert newer != first
+    for text, message in ((first, "first"), (newer, "newer")):
+        (root / "schedule.py").write_text(text)
+        for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", message]):
+            subprocess.run(GIT + command, cwd=root, check=True)
+    lab.start(4, root)
+    subprocess.run(GIT + ["commit", "-q", "-am", "stub"], cwd=root, check=True)
+    lab.reset(4, root)
+    assert (root / "schedule.py").read_text() == newer
