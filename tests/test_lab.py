@@ -261,3 +261,18 @@ def test_reset_takes_the_newest_unstubbed_version_of_the_function(tmp_path):
     subprocess.run(GIT + ["commit", "-q", "-am", "stub"], cwd=root, check=True)
     lab.reset(4, root)
     assert (root / "schedule.py").read_text() == newer
+
+
+def test_lab_test_runs_its_files_single_threaded_with_the_extra_arguments(monkeypatch, capsys):
+    # Pins lab.test's subprocess: this interpreter, -m pytest, the exercise's files, then the extra arguments,
+    # with OMP_NUM_THREADS=1 (the experiments' thread count), from the repository root; its exit status returned
+    calls = []
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    monkeypatch.setattr(lab.subprocess, "run", lambda command, cwd, env: calls.append((command, cwd, env)) or
+                        type("Done", (), dict(returncode=3))())
+    assert lab.main(["test", "3", "-k", "snapkv"]) == 3
+    (command, cwd, env), = calls
+    assert command == [sys.executable, "-m", "pytest", "tests/test_kvcache.py", "tests/test_policies.py", "-k", "snapkv"]
+    assert cwd == lab.ROOT and env["OMP_NUM_THREADS"] == "1"
+    assert capsys.readouterr().out == "OMP_NUM_THREADS=1 python -m pytest tests/test_kvcache.py tests/test_policies.py -k snapkv\n"
+
