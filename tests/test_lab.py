@@ -276,3 +276,12 @@ def test_lab_test_runs_its_files_single_threaded_with_the_extra_arguments(monkey
     assert cwd == lab.ROOT and env["OMP_NUM_THREADS"] == "1"
     assert capsys.readouterr().out == "OMP_NUM_THREADS=1 python -m pytest tests/test_kvcache.py tests/test_policies.py -k snapkv\n"
 
+
+def test_list_says_which_exercises_are_started(repo):
+    # Pins listing's state column on the copy: exercise 4 started, the others written
+    lab.start(4, repo)
+    try:
+        states = [row.rsplit("|", 2)[1].strip() for row in lab.listing(repo).splitlines()[2:]]
+    finally:
+        lab.reset(4, repo)
+    assert states == ["written", "written", "written", "started (stub)", "written"]
