@@ -147,3 +147,16 @@ def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
     done, out = run(tmp_path, "tests", "bnech")
     assert done.returncode == 2 and "unknown step 'bnech': tests, train, bench or steps" in done.stderr
     assert not out.exists()
+
+
+def test_a_stage_at_its_limit_gets_sigint_so_the_bench_can_write_its_json(tmp_path):
+    # Pins stage's signal: at its limit a command gets SIGINT (KeyboardInterrupt: bench_gpu.main then writes its
+    # targets and JSON, tests/test_bench_gpu.py), not timeout's default SIGTERM, which kills Python silently.
+    # The script's own stage function, taken from its text, runs a 1 s-limited Python that says what it got
+    probe = "import time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n    print('KeyboardInterrupt')\n"
+    script = (f'OUT={tmp_path}; SUMMARY={tmp_path}/summary.txt; CALL=100; FAILED=()\n'
+              f'eval "$(sed -n "/^stage() {{/,/^}}/p" {SCRIPT})"\n'
+              f'stage probe.txt 1 {sys.executable} -c "$PROBE"\n')
+    subprocess.run(["bash", "-c", script], env=dict(os.environ, PROBE=probe), timeout=30, check=True)
+    assert (tmp_path / "probe.txt").read_text() == "KeyboardInterrupt\n"
+    assert re.search(r"probe.txt: exit 124 after \d+ s \(limit 1 s\)", (tmp_path / "summary.txt").read_text())
