@@ -342,7 +342,7 @@ def report(s, results, long, scale, over, lim, wall, machine):
     targets = [["dense >= 1.0x HF generate, same tokens", f"{ratio(speed['full'], speed[HF])}, tokens equal: "
                 f"{record['throughput']['full']['same_tokens_as_hf']}"],
                [f"eviction >= 1.5x dense at {s['prompt']}+{new} (slowest: {worst})", ratio(speed[worst], speed["full"])],
-               [f"peak KV <= ({s['budget']}+{s['interval']})/{s['prompt'] + new - 1} of dense",   # dense's own peak:
+               [f"peak KV <= ({s['budget']}+{s['interval']})/{s['prompt'] + new - 1} of dense",   # over dense's peak
                 f"{kv_tokens} of {dense['peak_kv_tokens']} tokens = {kv_tokens / dense['peak_kv_tokens']:.4f} (bound "
                 f"{(s['budget'] + s['interval']) / (s['prompt'] + new - 1):.4f}; dense never feeds its last token)"],
                [f"{LONG_POLICY} >= 2x dense at {s['prompt']}+{s['long_new']}",

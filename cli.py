@@ -184,7 +184,7 @@ def parse_args(argv=None, description=TRAIN_HELP, hide=()):
     g.add_argument("--dtype", default=d.get("dtype", "float32"), choices=list(DTYPES), help="precision of the "
                    "forward passes (smollm2-135m with --device cuda: bfloat16); bfloat16: under torch.autocast, the "
                    "weights and AdamW's state kept in fp32")
-    for action in p._actions:                                          # still accepted, only not listed
+    for action in p._actions:                          # argparse's list of them; hidden ones are still accepted
         if action.dest in hide:
             action.help = argparse.SUPPRESS
     args = p.parse_args(argv)

@@ -121,7 +121,7 @@ def main(argv=None):
     import train   # here, not at the top: train.py imports this file
     argv = sys.argv[1:] if argv is None else argv
     argv = ["--steps", "0", *argv]
-    if train.parse_args(argv, HELP, TRAINING_ONLY).steps != 0:                    # a --steps of the user's came after ours
+    if train.parse_args(argv, HELP, TRAINING_ONLY).steps != 0:     # a --steps of the user's came after ours
         sys.exit("error: evaluate.py never trains: drop --steps (python train.py trains)")
     return train.main(argv)
 
