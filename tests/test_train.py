@@ -704,10 +704,14 @@ def test_bf16_runs_every_forward_of_a_step_under_autocast(warm, monkeypatch):
     # --dtype bfloat16: sampling, re-scoring and the update's forward passes all run under bf16 autocast (the
     # backward outside it); read inside each call as it runs
     seen = {}
+
+    def watched(name, real):
+        def call(*args, **kwargs):                                      # the autocast state as the call runs
+            seen.setdefault(name, set()).add(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
+            return real(*args, **kwargs)
+        return call
     for owner, name in ((train, "generate"), (train.C, "dense_logprobs"), (train.C, "response_logprobs")):
-        real = getattr(owner, name)
-        monkeypatch.setattr(owner, name, lambda *a, real=real, name=name, **k: seen.setdefault(name, set()).add(
-            torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")) or real(*a, **k))
+        monkeypatch.setattr(owner, name, watched(name, getattr(owner, name)))
     model, tokenizer = models.load_pretrained(str(warm))
     small_step(model, tokenizer, train.parse_args(SMALL + ["--dtype", "bfloat16"]))
     assert seen == {name: {torch.bfloat16} for name in ("generate", "dense_logprobs", "response_logprobs")}
