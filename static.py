@@ -38,9 +38,9 @@ Speed, side by side in one run (random Llama weights, greedy, each pair interlea
     OMP_NUM_THREADS=1 python static.py                      # bench.py's model shape, on the CPU
     python static.py --device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 1536 --hf
     python static.py --device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 64 --rounds 1 --profile 64
-    python static.py --shape layers28 --batch 4 --prompt 64 --budget 32 --interval 16 --count-ops \
+    python static.py --shape layers28 --batch 4 --prompt 64 --budget 32 --interval 16 --count-ops \\
         --policies full,streaming,snapkv,rkv,h2o,blocktopk                 # kernel launches a step, on the CPU
-    python static.py --device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 320 --budget 512 \
+    python static.py --device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 320 --budget 512 \\
         --interval 128 --rounds 1 --policies full,streaming,snapkv,rkv,h2o --step-times   # each eager step timed
                                                                                         # (gpu_check.sh's)
 """
