@@ -12,6 +12,7 @@ import distill
 import kvcache
 import sampler
 from kvcache import KVCache, SparseConfig
+from schedule import Schedule
 from reference import HostReads, hf_greedy, masked_dense_logprobs, tiny_model
 from sampler import generate, sample_token
 from static import GCClock, OpCounter, StaticCache, ops_per_step, split_mean, step_times
@@ -107,6 +108,40 @@ def test_a_span_reads_the_held_slots_rounded_up(monkeypatch):
     out = generate(tiny_model("llama"), PROMPTS, SparseConfig("full"), max_new_tokens=30, temperature=0, captured=True)
     held = range(10, 10 + len(spans))                        # 9 prompt slots + the step's own key, step 1 on
     assert spans == [min(39, -(-s // 10) * 10) for s in held] and out.tokens.shape[1] == 30
+
+
+def test_block_top_k_over_budget_for_its_buffer_attends_every_token_as_dense_decoding_does():
+    """`k_pages`, the ranks a static block top-k step gathers, is the budget's pages + the reserved ones, but no
+    more than the buffer's pages: (slots - 1) // page_size + 1. Here the buffer (9 + 10 = 19 slots) has 5 pages
+    and the budget 16 // 4 + 3 reserved would take 7, so every page is attended and the rollout is dense
+    decoding's (eager `full`); a bound one page short (slots // page_size, 4 here) drops the longest row's fifth
+    page once its context reaches position 16 (the last two steps)."""
+    model = tiny_model("llama")
+    run = lambda sparse, captured: generate(model, PROMPTS, sparse, max_new_tokens=10, temperature=0,
+                                            captured=captured)
+    dense = run(SparseConfig("full"), False)
+    static = run(SparseConfig("blocktopk", budget=16, page_size=4, dense_layers=1), True)
+    assert torch.equal(static.tokens, dense.tokens)
+    assert (static.logprobs - dense.logprobs).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("schedule", [Schedule((0, 14), (4, 12)), Schedule((0, 14), (4, None))],
+                         ids=["growing", "then-dense"])
+def test_scheduled_block_top_k_gathers_the_pages_of_its_largest_budget(schedule):
+    """With a schedule the budget grows with the context, but `k_pages` is fixed when the static state is made
+    (after the prefill, at budget 4): it must come from the largest budget the schedule can reach (None, dense:
+    every page of the buffer), not the smallest, nor read None as 0. Past context 14 a row attends 12 // 4 + 3
+    pages (or all it holds), which a bound from budget 4 (4 pages) would cut: the static rollout must equal the
+    eager one, which asks for its pages afresh at every step."""
+    model = tiny_model("llama")
+    sparse = SparseConfig("blocktopk", budget=4, page_size=4, dense_layers=1, schedule=schedule)
+    run = lambda captured: generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=0, record=True,
+                                    captured=captured)
+    eager, static = run(False), run(True)
+    assert torch.equal(static.tokens, eager.tokens)
+    assert (static.logprobs - eager.logprobs).abs().max() < 1e-5
+    assert kept_sets(static) == kept_sets(eager)
+    assert max(eager.stats["cache"].attended_tokens) > 4 * 4 + 1     # more than budget 4's pages were attended
 
 
 def test_static_dense_greedy_equals_hugging_face():
