@@ -202,6 +202,33 @@ def test_the_static_step_traces_whole(monkeypatch, arch, sparse):
     assert (traced.logprobs - eager.logprobs).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("arch, sparse", [("llama", CONFIGS[-1]), ("mistral", CONFIGS[0]), ("mistral", CONFIGS[3])],
+                         ids=["blocktopk", "mistral-full", "mistral-snapkv"])
+def test_a_static_step_reads_the_steps_inputs_only_from_its_own_device_tensors(monkeypatch, arch, sparse):
+    """A CUDA graph replays the tensors it was captured with: `start_step`'s fresh per-step tensors, the positions
+    (`step_pos`) and block top-k's pages per row (`top`), are gone (their memory reused) by the time a replay
+    runs, so the step must read their copies, `now` and `pages`. Emulated on the CPU: after each static step's
+    `start_step`, the fresh tensors are overwritten with garbage (positions -1: padding; 0 pages); the rollout must
+    still be the eager one. A step reading `top` attends no page; one reading `step_pos` loses Mistral's sliding
+    window (a padding query sees every slot)."""
+    model = tiny_model(arch, **({"sliding_window": 12} if arch == "mistral" else {}))
+    eager = generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=0)
+    start_step, poisoned = StaticCache.start_step, []
+
+    def stale(cache, positions):
+        start_step(cache, positions)
+        if cache.static:
+            cache.step_pos = torch.full_like(cache.step_pos, -1)
+            if sparse.policy == "blocktopk":
+                cache.top = torch.zeros_like(cache.top)
+            poisoned.append(1)
+    monkeypatch.setattr(StaticCache, "start_step", stale)
+    static = generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=0, captured=True)
+    assert len(poisoned) >= 10
+    assert torch.equal(static.tokens, eager.tokens)
+    assert (static.logprobs - eager.logprobs).abs().max() < 1e-5
+
+
 def test_host_reads_sees_what_a_capture_refuses():
     x = torch.randn(6)
     with HostReads() as reads:
