@@ -280,6 +280,33 @@ def test_ops_per_step_is_what_each_steady_decode_step_dispatches(monkeypatch, ca
     assert ops_per_step(model, PROMPTS, sparse, captured) == steps[0]
 
 
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "static"])
+def test_ops_per_step_spreads_one_compression_over_its_interval(monkeypatch, captured):
+    """Prompts of 2, budget 8, interval 4: by hand, decode steps 10, 14, 18, 22 compress (2 + step - 8 >= 4, then
+    every 4), and the steps from 8 on repeat with period 4 (a compression, the window's two remembering steps, a
+    plain one). `ops_per_step` must be one such period's ops (one compression included) over 4, counted here step
+    by step in one 24-token rollout; a difference of the 4- and 8-token rollouts would see no compression at all."""
+    model = tiny_model()
+    sparse = SparseConfig("snapkv", budget=8, interval=4, window=2, sink=1, kernel=3)
+    prompts = [[5, 9], [4, 17]]
+    cls = StaticCache if captured else KVCache
+    marks, compressing, start_step = [], [], cls.start_step
+
+    def marked(cache, positions):
+        marks.append(counter.count)
+        start_step(cache, positions)
+        compressing.append(cache.compressing)
+    monkeypatch.setattr(cls, "start_step", marked)
+    with OpCounter() as counter:
+        generate(model, prompts, sparse, max_new_tokens=24, temperature=0, captured=captured)
+    monkeypatch.undo()
+    steps = [b - a for a, b in zip(marks, marks[1:])]                # steps[d]: decode step d (0: the prefill)
+    assert [d for d, c in enumerate(compressing) if c] == [10, 14, 18, 22]
+    period = sum(steps[12:16])
+    assert sum(steps[16:20]) == period and steps[14] > max(steps[12], steps[13], steps[15])   # 14 compresses
+    assert ops_per_step(model, prompts, sparse, captured) == period / 4
+
+
 def test_split_mean_parts_the_mean_step_by_hand():
     # steady steps 10, 12, 11, 30 (median 11.5), compressions 50 and 20: (50 - 11.5 + 20 - 11.5) / 6 = 7.83...,
     # the steady steps' excess (-1.5 + 0.5 - 0.5 + 18.5) / 6 = 2.83...; 11.5 + 7.83 + 2.83 = 22.17 = the mean
@@ -315,6 +342,25 @@ def test_step_times_gives_each_decode_step_its_own_time_and_marks_its_compressio
     assert compressing == [True, False] * 4
     assert min(s for s, c in zip(seconds, compressing) if c) > 0.12      # 2 layers x 60 ms
     assert max(s for s, c in zip(seconds, compressing) if not c) < 0.12
+
+
+def test_step_times_charges_a_steps_announcement_to_that_step(monkeypatch):
+    """A step runs from its own `start_step` (the host's bookkeeping: which rows compress, the copy of their
+    arguments) to the next one's: a mark taken after `start_step` would charge a compressing step's bookkeeping
+    to the step before it. Made slow (100 ms) on the compressing steps only, by hand decode steps 0, 2, 4, 6 of 8
+    (as in the test above), it must show in exactly those steps' times."""
+    start_step = KVCache.start_step
+
+    def slow(cache, positions):
+        start_step(cache, positions)
+        if cache.compressing:
+            time.sleep(0.1)
+    monkeypatch.setattr(KVCache, "start_step", slow)
+    model, sparse = tiny_model(), SparseConfig("snapkv", budget=4, interval=2, window=2, sink=1, kernel=3)
+    seconds, compressing = step_times(model, [[5, 9, 3, 7, 1, 12], [4, 17, 6, 8, 2, 11]], sparse, 9)
+    assert compressing == [True, False] * 4
+    assert min(s for s, c in zip(seconds, compressing) if c) > 0.1
+    assert max(s for s, c in zip(seconds, compressing) if not c) < 0.1
 
 
 @pytest.mark.parametrize("argv, message", [
