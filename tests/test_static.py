@@ -327,6 +327,20 @@ def test_gc_clock_counts_the_full_collections_under_it_only():
     assert clock.full == 2 and clock.seconds > 0
 
 
+def test_gc_clock_sums_each_collections_start_to_stop_and_counts_generation_2_only(monkeypatch):
+    """gc calls its callbacks with ("start", info) and ("stop", info) around each collection. Driven by hand on a
+    clock that reads 1, 1.5, 4, 4.25, 10, 10.5: three collections of 0.5, 0.25 and 0.5 s, summed to 1.25 (not
+    the last one alone, nor stop-to-start gaps); only the generation-2 one is full (not generation 1)."""
+    import static
+    times = iter([1.0, 1.5, 4.0, 4.25, 10.0, 10.5])
+    monkeypatch.setattr(static, "time", type("T", (), dict(perf_counter=staticmethod(lambda: next(times)))))
+    clock = GCClock()
+    for generation in (1, 2, 0):
+        clock.tick("start", {"generation": generation})
+        clock.tick("stop", {"generation": generation, "collected": 0, "uncollectable": 0})
+    assert clock.seconds == 1.25 and clock.full == 1
+
+
 def test_step_times_gives_each_decode_step_its_own_time_and_marks_its_compressions(monkeypatch):
     """Prompts of 6, budget 4, interval 2: the first decode step holds 7 tokens (3 over: compress to 4), the next
     5, then 6 (2 over: compress), ...: by hand, decode steps 0, 2, 4 and 6 of 8 compress. A compression slowed by
@@ -361,6 +375,19 @@ def test_step_times_charges_a_steps_announcement_to_that_step(monkeypatch):
     assert compressing == [True, False] * 4
     assert min(s for s, c in zip(seconds, compressing) if c) > 0.1
     assert max(s for s, c in zip(seconds, compressing) if not c) < 0.1
+
+
+@pytest.mark.parametrize("name", ["batch", "prompt", "new", "budget", "interval", "rounds"])
+def test_the_command_line_refuses_every_count_below_one_before_building_a_model(monkeypatch, capsys, name):
+    # each of these counts at 0 would fail, or time nothing (no round: a median of nothing), only after a model of
+    # up to 2B parameters was built: each must be refused first, by name (the test above tries --batch alone)
+    import transformers
+
+    import static
+    monkeypatch.setattr(transformers, "LlamaForCausalLM", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(SystemExit):
+        static.main([f"--{name}", "0"])
+    assert f"--{name} must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
