@@ -377,6 +377,37 @@ def test_step_times_charges_a_steps_announcement_to_that_step(monkeypatch):
     assert max(s for s, c in zip(seconds, compressing) if not c) < 0.1
 
 
+def test_print_step_times_reports_every_rounds_steps_by_hand(monkeypatch, capsys):
+    """--step-times with `step_times` replaced by fixed timings (ms): full's steps all 10 in round 1, all 50 in
+    round 2 (median 30 over both); snapkv's steady steps 1, 2, ..., 20 and two compressions, 50 and 70, in each of
+    2 rounds (the warm-up's 1000s must not count). By hand, snapkv: steady median 10.5, compressions
+    (39.5 + 59.5) / 22 = 4.5 a step, spread 0, mean 15 = 0.50x full's, steady 0.35x full's; 4 compressing steps,
+    median 60; over the 40 steady steps, p90 the 37th smallest (19), max 20. The policies take turns, round
+    after round, after one warm-up each."""
+    import argparse
+
+    import static
+    calls = []
+
+    def timings(model, prompts, sparse, steps):
+        calls.append((sparse.policy, steps))
+        if steps == 8:                                                    # the warm-up
+            return [1.0] * 3, [False] * 3
+        if sparse.policy == "full":
+            return [0.040 * calls.count(("full", 22)) - 0.030] * 22, [False] * 22
+        return [k / 1e3 for k in range(1, 21)] + [0.050, 0.070], [False] * 20 + [True] * 2
+    monkeypatch.setattr(static, "step_times", timings)
+    args = argparse.Namespace(policies="full,snapkv", shape="bench", batch=2, prompt=6, new=22, budget=16, interval=4,
+                              rounds=2)
+    static.print_step_times(type("M", (), dict(dtype=torch.float32, device="cpu"))(), [[1, 2]], args)
+    out = capsys.readouterr().out
+    assert calls == [("full", 8), ("snapkv", 8)] + [("full", 22), ("snapkv", 22)] * 2
+    assert ("      full: mean step  30.00 (1.00x full's) = steady median  30.00 (1.00x) + compressions  0.00 (0 steps, "
+            "median    0.00) + the steady steps' spread  0.00 (p90  50.00, max   50.00)") in out
+    assert ("    snapkv: mean step  15.00 (0.50x full's) = steady median  10.50 (0.35x) + compressions  4.50 (4 steps, "
+            "median   60.00) + the steady steps' spread  0.00 (p90  19.00, max   20.00)") in out
+
+
 @pytest.mark.parametrize("name", ["batch", "prompt", "new", "budget", "interval", "rounds"])
 def test_the_command_line_refuses_every_count_below_one_before_building_a_model(monkeypatch, capsys, name):
     # each of these counts at 0 would fail, or time nothing (no round: a median of nothing), only after a model of
