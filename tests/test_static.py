@@ -2,7 +2,6 @@
 and torch.multinomial; and proof that the step traces whole (torch.compile, fullgraph) and, run as it is,
 never reads a device value on the host (what a CUDA graph cannot capture)."""
 import gc
-import time
 
 import pytest
 import torch
@@ -341,40 +340,50 @@ def test_gc_clock_sums_each_collections_start_to_stop_and_counts_generation_2_on
     assert clock.seconds == 1.25 and clock.full == 1
 
 
-def test_step_times_gives_each_decode_step_its_own_time_and_marks_its_compressions(monkeypatch):
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """The synchronised clock `step_times` reads, faked: each read is a second later; -> [now], to move by hand."""
+    now = [0.0]
+
+    def clock(device=None):
+        now[0] += 1
+        return now[0]
+    monkeypatch.setattr(sampler, "clock", clock)
+    return now
+
+
+def test_step_times_gives_each_decode_step_its_own_time_and_marks_its_compressions(monkeypatch, fake_clock):
     """Prompts of 6, budget 4, interval 2: the first decode step holds 7 tokens (3 over: compress to 4), the next
-    5, then 6 (2 over: compress), ...: by hand, decode steps 0, 2, 4 and 6 of 8 compress. A compression slowed by
-    60 ms a layer must show in exactly those steps' times (an off-by-one would put it on their neighbours)."""
+    5, then 6 (2 over: compress), ...: by hand, decode steps 0, 2, 4 and 6 of 8 compress. A compression that takes
+    60 s a layer on the fake clock must show in exactly those steps' times (an off-by-one would put it on their
+    neighbours)."""
     compress = kvcache.compress
 
     def slow(*args):
-        time.sleep(0.06)
-        compress(*args)
+        fake_clock[0] += 60
+        return compress(*args)
     monkeypatch.setattr(kvcache, "compress", slow)
     model, sparse = tiny_model(), SparseConfig("snapkv", budget=4, interval=2, window=2, sink=1, kernel=3)
     seconds, compressing = step_times(model, [[5, 9, 3, 7, 1, 12], [4, 17, 6, 8, 2, 11]], sparse, 9)
     assert compressing == [True, False] * 4
-    assert min(s for s, c in zip(seconds, compressing) if c) > 0.12      # 2 layers x 60 ms
-    assert max(s for s, c in zip(seconds, compressing) if not c) < 0.12
+    assert [s > 120 for s in seconds] == compressing, seconds          # 2 layers x 60 s
 
 
-def test_step_times_charges_a_steps_announcement_to_that_step(monkeypatch):
+def test_step_times_charges_a_steps_announcement_to_that_step(monkeypatch, fake_clock):
     """A step runs from its own `start_step` (the host's bookkeeping: which rows compress, the copy of their
     arguments) to the next one's: a mark taken after `start_step` would charge a compressing step's bookkeeping
-    to the step before it. Made slow (100 ms) on the compressing steps only, by hand decode steps 0, 2, 4, 6 of 8
-    (as in the test above), it must show in exactly those steps' times."""
+    to the step before it. The compressing steps' `start_step` takes 100 s more on the fake clock, by hand decode
+    steps 0, 2, 4, 6 of 8 (as in the test above): it must show in exactly those steps."""
     start_step = KVCache.start_step
 
     def slow(cache, positions):
         start_step(cache, positions)
-        if cache.compressing:
-            time.sleep(0.1)
+        fake_clock[0] += 100 * cache.compressing
     monkeypatch.setattr(KVCache, "start_step", slow)
     model, sparse = tiny_model(), SparseConfig("snapkv", budget=4, interval=2, window=2, sink=1, kernel=3)
     seconds, compressing = step_times(model, [[5, 9, 3, 7, 1, 12], [4, 17, 6, 8, 2, 11]], sparse, 9)
     assert compressing == [True, False] * 4
-    assert min(s for s, c in zip(seconds, compressing) if c) > 0.1
-    assert max(s for s, c in zip(seconds, compressing) if not c) < 0.1
+    assert [s > 100 for s in seconds] == compressing, seconds
 
 
 def test_print_step_times_reports_every_rounds_steps_by_hand(monkeypatch, capsys):
