@@ -140,6 +140,9 @@ def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
     (["--eval-policies", "h2o"], "--eval-policies and --eval-budgets go with --steps 0"),   # either one alone
     (["--ppo-epochs", "0"], "--ppo-epochs must be >= 1, got 0"),                # else no update at all
     (["--save-every", "0"], "--save-every must be >= 1, got 0"),                # else a modulo by zero at its step
+    (["--budget", str(2 ** 64)], "--budget must be < 2\\*\\*31, got 18446744073709551616"),   # else int64 overflows
+    (["--micro-batch", str(2 ** 63)], "--micro-batch must be < 2\\*\\*31"),     # ... in a traceback after the load
+    (["--eval-budgets", "8", str(2 ** 63), "--steps", "0"], "--eval-budgets must be < 2\\*\\*31"),
 ])
 def test_each_bad_value_is_one_clear_line_before_training(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message) as exit_info:
@@ -155,3 +158,4 @@ def test_evaluate_only_takes_temperature_0():
         assert cli.check_args(cli.parse_args(argv)) is None
     with pytest.raises(ValueError, match="--temperature 0 samples greedily"):
         cli.check_args(cli.parse_args(["--steps", "1", "--temperature", "0"]))
+
