@@ -201,6 +201,8 @@ def check_args(args):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {x}")
             if isinstance(x, int) and x >= 2 ** 31 and name != "seed":   # else torch's int64 overflows, a traceback
                 raise ValueError(f"--{name.replace('_', '-')} must be < 2**31, got {x}")   # after the model loads
+            if x == "":                                                # a path of '' is the current folder
+                raise ValueError(f"--{name.replace('_', '-')} is empty: give a file or folder name, or leave it out")
     for name in ["budget", "interval", "window", "bin_size", "max_new_tokens", "prompts", "ppo_epochs", "micro_batch",
                  "eval_every", "eval_size", "save_every", "lora_rank"]:
         if getattr(args, name) < 1:

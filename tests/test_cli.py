@@ -143,6 +143,8 @@ def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
     (["--budget", str(2 ** 64)], "--budget must be < 2\\*\\*31, got 18446744073709551616"),   # else int64 overflows
     (["--micro-batch", str(2 ** 63)], "--micro-batch must be < 2\\*\\*31"),     # ... in a traceback after the load
     (["--eval-budgets", "8", str(2 ** 63), "--steps", "0"], "--eval-budgets must be < 2\\*\\*31"),
+    (["--schedule", ""], "--schedule is empty: give a file or folder name"),   # was: no schedule, silently
+    (["--cache-dir", ""], "--cache-dir is empty"),                           # was: a GGUF model cached in ./
 ])
 def test_each_bad_value_is_one_clear_line_before_training(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message) as exit_info:
@@ -159,3 +161,9 @@ def test_evaluate_only_takes_temperature_0():
     with pytest.raises(ValueError, match="--temperature 0 samples greedily"):
         cli.check_args(cli.parse_args(["--steps", "1", "--temperature", "0"]))
 
+
+def test_an_empty_out_is_refused_not_the_current_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                       # Path("") is ".": the run went into the current folder
+    with pytest.raises(SystemExit, match="^error: --out is empty: give a file or folder name"):
+        train.main(["--out", ""])
+    assert not any(tmp_path.iterdir())
