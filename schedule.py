@@ -56,12 +56,13 @@ class Schedule:
         object.__setattr__(self, "budgets", budgets)
         if len(bins) == 0 or len(bins) != len(budgets):
             raise ValueError(f"need one budget per bin, got {len(bins)} bins and {len(budgets)} budgets")
-        if bins[0] != 0 or any(not isinstance(b, int) for b in bins):
-            raise ValueError(f"bins must be integers starting at 0, got {list(bins)}")
+        whole = lambda b: isinstance(b, int) and not isinstance(b, bool) and b <= DENSE   # JSON's true is no 1
+        if bins[0] != 0 or not all(map(whole, bins)):
+            raise ValueError(f"bins must be integers starting at 0, up to 2**40, got {list(bins)}")
         if any(b >= c for b, c in zip(bins, bins[1:])):
             raise ValueError(f"bins must be strictly increasing, got {list(bins)}")
-        if any(b is not None and (not isinstance(b, int) or b < 1) for b in budgets):
-            raise ValueError(f"budgets must be positive integers or None (dense), got {list(budgets)}")
+        if any(b is not None and not (whole(b) and b >= 1) for b in budgets):
+            raise ValueError(f"budgets must be positive integers or None (dense), at most 2**40, got {list(budgets)}")
 
     def __call__(self, context):
         """Budget at `context` tokens: an int for an int, a long tensor [B] for a tensor [B] (dense = DENSE)."""
@@ -73,7 +74,7 @@ class Schedule:
     def scaled(self, factor):
         """The same shape at `factor` times the lengths: every bin start and budget multiplied, rounded."""
         return Schedule(tuple(round(b * factor) for b in self.bins),
-                        tuple(None if b is None else max(1, round(b * factor)) for b in self.budgets))
+                        tuple(None if b is None else min(DENSE, max(1, round(b * factor))) for b in self.budgets))
 
     def save(self, path):
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -391,6 +391,7 @@ def test_token_contexts_and_scaled_schedules():
     assert piecewise([0, 8], [6, None]).scaled(2.5) == piecewise([0, 20], [15, None])
     assert piecewise([0, 100], [4, 60]).scaled(0.1) == piecewise([0, 10], [1, 6])  # 0.4 tokens: kept at 1
     assert piecewise([0, 10], [7, 9]).scaled(1.7) == piecewise([0, 17], [12, 15])  # 11.9 and 15.3: the nearest
+    assert piecewise([0, 2], [8, 2 ** 40]).scaled(4) == piecewise([0, 8], [32, 2 ** 40])   # dense stays dense
 
 
 def test_bins_for_covers_every_context_a_response_token_is_sampled_at_and_no_more():
@@ -465,6 +466,9 @@ def test_speedup_of_a_full_budget_is_one_and_a_small_budget_saves():
     (lambda: piecewise([4, 16], [8, 8]), "bins must be integers starting at 0"),
     (lambda: piecewise([0, 16], [8]), "need one budget per bin"),
     (lambda: piecewise([0], [0]), "budgets must be positive integers or None"),
+    (lambda: piecewise([0, 16], [8, 2 ** 64]), "budgets must be .*at most 2\\*\\*40, got \\[8, 18446744073709551616\\]"),
+    (lambda: piecewise([0, 16], [True, 8]), "budgets must be positive integers"),   # a JSON true was budget 1
+    (lambda: piecewise([0, 2 ** 64], [8, 8]), "bins must be integers starting at 0, up to 2\\*\\*40"),
     (lambda: SparseConfig("snapkv", window=4, sink=2, schedule=piecewise([0, 16], [8, 5])),
      "budget=5 must be >= window \\+ sink = 4 \\+ 2"),
     (lambda: Controller(threshold=1.5), "threshold must lie in \\[0, 1\\], got 1.5"),
