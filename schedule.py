@@ -429,6 +429,10 @@ def parse_args(argv=None):
         least, value = (0 if name in ("sink", "dense_layers") else 1), getattr(args, name)
         if value is not None and value < least:
             p.error(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+        if value is not None and value >= 2 ** 31:                    # else torch overflows, after the model loads
+            p.error(f"--{name.replace('_', '-')} must be < 2**31, got {value}")
+    if args.context > 2 ** 20:         # --speedup sums every 64th decode step's cost: 10 s at 2**20, days at 10**11
+        p.error(f"--context must be at most 2**20 = 1048576 tokens, got {args.context}")
     args.schedule = None                                               # the --speedup schedule, read once
     if args.speedup and not (args.calibrate and Path(args.speedup) == Path(args.out)):   # else: what it writes
         try:
@@ -440,20 +444,28 @@ def parse_args(argv=None):
             args.candidates = sorted({int(c) for c in args.candidates.split(",")})
         except ValueError:
             p.error(f"--candidates must be comma-separated integers, got {args.candidates!r}")
+        if args.candidates[-1] > DENSE:
+            p.error(f"--candidates must be at most 2**40 (DENSE), got {args.candidates[-1]}")
         made = [f for f in (Path(args.model, "warmup.json"), Path(args.model, "args.json")) if f.is_file()]
         if not Path(args.model).is_dir():
             p.error(f"--model {args.model!r}: no such folder; run `python train.py` first (it makes out/warmup)")
         if not made:
             p.error(f"no toy warm-up or checkpoint in {args.model!r} (no warmup.json, no args.json): run "
                     "`python train.py` first (it makes out/warmup), or pass --model")
-        args.warmup = json.loads(made[0].read_text())
+        try:
+            args.warmup = json.loads(made[0].read_text())
+            task, _ = args.warmup["task"], args.warmup["digits"]     # a list: TypeError
+        except (ValueError, KeyError, TypeError) as error:
+            p.error(f"{made[0]} holds no train.py run's settings (a JSON object with its task and digits): {error}")
+        if task not in tasks.TOY_TASKS:
+            p.error(f"{made[0]}: no toy task {task!r}; the tasks are {', '.join(tasks.TOY_TASKS)}")
         if args.warmup.get("model"):
             p.error(f"{args.model!r} was trained from --model {args.warmup['model']}: --calibrate takes the toy "
                     "warm-up or a toy run's checkpoint (its prompts are the toy task's)")
         for name, value in tasks.TOY_TASKS[args.warmup["task"]].items():     # the run's settings where none given
             if getattr(args, name, 0) is None:
                 setattr(args, name, value)
-        if args.adapter and not Path(args.adapter).is_file():
+        if args.adapter is not None and not Path(args.adapter).is_file():   # '' too: not silently no adapter
             p.error(f"--adapter {args.adapter!r}: no such file")
         if Path(args.out).is_dir():
             p.error(f"--out {args.out!r} is a folder; give a file name")

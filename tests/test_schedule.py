@@ -566,6 +566,11 @@ def test_calibration_checks_the_positions_against_its_longest_prompt(tmp_path, c
     (["--policy", "blocktopk", "--page-size", "8"], "budget=6 must be >= page_size = 8"),
     (["--speedup", "s.json", "--context", "0"], "--context must be >= 1, got 0"),
     (["--speedup", "s.json", "--batch", "-4"], "--batch must be >= 1, got -4"),
+    (["--bin-size", str(2 ** 63)], "--bin-size must be < 2\\*\\*31, got 9223372036854775808"),   # an OverflowError
+    (["--candidates", f"8,{2 ** 41}"], "--candidates must be at most 2\\*\\*40 \\(DENSE\\), got 2199023255552"),  # ditto
+    (["--speedup", "s.json", "--context", str(2 ** 20 + 1)], "--context must be at most 2\\*\\*20 = 1048576 tokens, "
+                                                             "got 1048577"),       # 10**11 ran for days
+    (["--adapter", ""], "--adapter '': no such file"),                          # was: silently no adapter
 ])
 def test_the_command_line_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, argv, message):
     # the folder holds a warm-up's warmup.json and no weights: a check that came after loading would fail there
@@ -588,6 +593,19 @@ def test_calibration_refuses_a_checkpoint_of_a_real_model(tmp_path, capsys):
     with pytest.raises(SystemExit):
         S.main(["--calibrate", "--model", str(tmp_path)])
     assert "was trained from --model smollm2-135m: --calibrate takes the toy warm-up" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{bad", "holds no train.py run's settings \\(a JSON object with its task and digits\\): Expecting property"),
+    ("[1]", "holds no train.py run's settings"), ('{"digits": [3, 6]}', "holds no train.py run's settings .*'task'"),
+    ('{"task": "count", "digits": [3, 6]}', "warmup.json: no toy task 'count'; the tasks are pick, "),
+])
+def test_calibration_names_a_warmup_json_that_holds_no_run(tmp_path, capsys, text, message):
+    (tmp_path / "warmup.json").write_text(text)                       # each was a traceback
+    with pytest.raises(SystemExit):
+        S.main(["--calibrate", "--model", str(tmp_path)])
+    assert re.search(message, capsys.readouterr().err)
+
 
 def test_speedup_of_a_long_schedule_at_a_short_context_leaves_out_the_stretched_row(tmp_path, capsys):
     # stretched to fewer tokens than it spans, a schedule's bins would merge: that row is left out
