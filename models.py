@@ -232,10 +232,32 @@ def set_aside(out):
     return out / f"previous-{n}"
 
 
+def checkpoint_args(folder):
+    """The args.json of a checkpoint folder, the settings of the run that made it, as a dict; a ValueError in one
+    line where it is missing or no JSON object, or where the folder lacks the weights' config or trainer_state.pt."""
+    path, damaged = Path(folder) / "args.json", f"a damaged checkpoint: remove {folder}, or start without --resume"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read {path} ({error}): {damaged}") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} holds a {type(saved).__name__}, not a run's settings (a JSON object): {damaged}")
+    if missing := [f for f in ("config.json", "trainer_state.pt") if not (Path(folder) / f).is_file()]:
+        raise ValueError(f"{folder} holds no {missing[0]}: {damaged}")
+    return saved
+
+
 def load_checkpoint(folder, device, dtype):
-    """(policy in eval mode, trainer state) of a checkpoint folder."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-    return model, torch.load(Path(folder) / "trainer_state.pt", weights_only=True)
+    """(policy in eval mode, trainer state) of a checkpoint folder; a ValueError in one line where it is damaged."""
+    damaged = f"a damaged checkpoint: remove {folder}, or start without --resume"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    except Exception as error:   # missing weights (OSError), a torn file (safetensors' own error type)
+        raise ValueError(f"cannot load the weights of {folder} ({str(error).splitlines()[0]}): {damaged}") from None
+    try:   # torch's message for a torn file suggests weights_only=False: no answer to a damaged file
+        return model, torch.load(Path(folder) / "trainer_state.pt", weights_only=True)
+    except Exception as error:
+        raise ValueError(f"{folder}/trainer_state.pt is no trainer state ({type(error).__name__}): {damaged}") from None
 
 
 def save_atomically(folder, write):

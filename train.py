@@ -44,7 +44,7 @@ import schedule as S
 from cli import TRAINING_ONLY, check_args, parse_args
 from evaluate import eval_both, evaluate_only, rewards_of, run_reward
 from kvcache import SparseConfig
-from models import (autocast, last_checkpoint, load_checkpoint, load_pretrained, pick_device,
+from models import (autocast, checkpoint_args, last_checkpoint, load_checkpoint, load_pretrained, pick_device,
                     save_atomically, save_checkpoint, set_aside, toy_model, warm_up)
 from sampler import check_length, clock, generate
 from tasks import (ALPHABET, char_tokenizer, encode_prompt, held_out_examples, load_jsonl, longest_prompt_chars,
@@ -279,6 +279,7 @@ def main(argv=None):
         model, tokenizer = load_model(args, device)
         longest = longest_prompt(args, train, held_out, tokenizer)
         check_length(longest, args.max_new_tokens, model.config)
+        loaded = load_checkpoint(ckpt, device, torch.float32) if ckpt else None   # model stays the base (ref_model)
     except (ValueError, OSError) as error:
         for folder in made:                                            # a failed load leaves no empty --out behind
             if folder.is_dir() and not any(folder.iterdir()):
@@ -291,7 +292,7 @@ def main(argv=None):
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl > 0 and args.steps else None   # not to evaluate
     start, state = 0, {}
     if ckpt:
-        model, state = load_checkpoint(ckpt, device, torch.float32)
+        model, state = loaded
         start = state["step"]
         print(f"resuming from {ckpt} (step {start})")
     elif last_checkpoint(out) and args.steps > 0:
@@ -358,7 +359,7 @@ def resume_point(args, out):
         earlier = sorted(p.name for p in out.glob("previous-*"))
         raise ValueError(f"--resume: no checkpoint step-NNNNNN in {str(out)!r}; run without --resume to start one"
                          + (f" (earlier runs: {', '.join(earlier)})" if earlier else ""))
-    saved = json.loads((ckpt / "args.json").read_text())
+    saved = checkpoint_args(ckpt)                                      # a damaged one: a ValueError
     # a data file is the same one at the same path, or (the clone moved, the path is gone) by the same name
     same = lambda k, a, b: a == b or (k in ("data", "eval_data") and a and b and not Path(a).exists()
                                       and Path(a).name == Path(b).name)

@@ -360,6 +360,25 @@ def test_an_out_that_is_a_file_is_one_clear_line(tmp_path):
             train.main(["--out", str(out)])
 
 
+def test_a_damaged_checkpoint_is_one_clear_line_naming_it(tmp_path, warm):
+    # each was a traceback (a list in args.json: silently no check of the run); the torn files came after the load
+    run_in(tmp_path / "run", warm, "--steps", "1")
+    damages = [("args.json", "{bad", "cannot read .*args.json \\(Expecting property name"),
+               ("args.json", "[1]", "args.json holds a list, not a run's settings"),
+               ("args.json", None, "cannot read .*args.json \\(\\[Errno 2\\]"),
+               ("trainer_state.pt", None, "step-000001 holds no trainer_state.pt: a damaged checkpoint: remove"),
+               ("trainer_state.pt", "torn", "step-000001/trainer_state.pt is no trainer state \\("),
+               ("model.safetensors", None, "cannot load the weights of .*step-000001 \\(Error no file named")]
+    for i, (name, text, message) in enumerate(damages):
+        shutil.copytree(tmp_path / "run", tmp_path / str(i))
+        (tmp_path / str(i) / "step-000001" / name).unlink()
+        if text is not None:
+            (tmp_path / str(i) / "step-000001" / name).write_text(text)
+        with pytest.raises(SystemExit, match=message) as exit_info:
+            train.main(SMALL + ["--out", str(tmp_path / str(i)), "--steps", "2", "--resume"])
+        assert str(exit_info.value).startswith("error: ") and "\n" not in str(exit_info.value)
+
+
 def test_steps_0_evaluates_the_warm_up_dense_and_under_each_cache(tmp_path, warm, capsys):
     if not (tmp_path / "warmup").exists():
         shutil.copytree(warm, tmp_path / "warmup")
