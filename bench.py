@@ -416,17 +416,20 @@ def main(argv=None):
                      + ("" if args.gpu else " without --gpu"))
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if empty := [name for name in ("out", "model") if getattr(args, name) == ""]:   # else silently the default
+        parser.error(f"--{empty[0]} is empty: give {dict(out='a file name', model='a model')[empty[0]]}, or leave "
+                     "it out")
     if args.out and (Path(args.out).is_dir() or args.out.endswith(("/", os.sep))):   # now, not after the bench
         parser.error(f"--out {args.out!r} is a folder; give a file name")
+    try:                                                  # every default lies in results/; --gpu's too
+        os.makedirs(os.path.dirname(args.out or "results/") or ".", exist_ok=True)
+    except OSError as error:
+        parser.error(f"--out {args.out!r}: {error}")
     if args.gpu:   # imported here, not at the top: bench_gpu builds on this module
         import bench_gpu
         return bench_gpu.main(args)
     out = args.out or ("results/bench_quick.json" if args.quick else
                        f"results/bench_{Path(args.model).stem}.json" if args.model else "results/bench.json")
-    try:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    except OSError as error:
-        parser.error(f"--out {out!r}: {error}")
     s = dict(QUICK) if args.quick else dict(PRETRAINED, model=args.model) if args.model else dict(FULL)
     s["repeats"] = args.repeats or s["repeats"]
     wall, machine = time.perf_counter(), f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"

@@ -121,6 +121,8 @@ def test_an_eviction_wrapper_is_removed_after_use():
     (["--quick", "--repeats", "0"], "--repeats must be >= 1, got 0"),          # was: the default, silently
     (["--model", "no-such-model"], "model 'no-such-model' is neither an existing folder"),
     (["--quick", "--model", "x"], "cannot be combined with --model"),
+    (["--model", ""], "--model is empty: give a model, or leave it out"),       # was: the random model's bench, minutes
+    (["--quick", "--out", ""], "--out is empty: give a file name"),                    # was: the default file, silently
 ])
 def test_bad_flags_are_one_error_line_before_any_timing(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(bench, "throughput", lambda *a: pytest.fail("it started timing"))
@@ -137,6 +139,10 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_bench_runs(tmp_path
         with pytest.raises(SystemExit):
             bench.main(["--quick", "--out", str(out)])
         assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):                                    # --gpu's too: it was a traceback
+        bench.main(["--gpu", "--quick", "--out", str(tmp_path / "afile" / "b.md")])
+    err = capsys.readouterr().err
+    assert "--out '" in err and "File exists" in err and "Traceback" not in err
 
 
 # ----------------------------------------------------------------------------- the arithmetic, on fake timings
