@@ -392,17 +392,25 @@ def keeps(args):
     if not made.is_file():
         raise ValueError(("no such folder" if not Path(args.model).is_dir() else "no warmup.json in") +
                          f" {args.model!r}: pass --model out/warmup (`python train.py` makes it)")
-    settings = json.loads(made.read_text())
-    run = TOY_TASKS[settings["task"]]
+    try:
+        settings = json.loads(made.read_text())
+        task, _, _ = settings["task"], settings["digits"], settings["seed"]
+    except (ValueError, KeyError, TypeError) as error:     # a list: TypeError
+        raise ValueError(f"{made} holds no warm-up's settings (a JSON object with task, digits, seed): "
+                         f"{error}") from None
+    if task not in TOY_TASKS:
+        raise ValueError(f"{made}: no toy task {task!r}; the tasks are {', '.join(TOY_TASKS)}")
+    run = TOY_TASKS[task]
     if (args.budget is not None and args.budget < 1) or args.example < 0:
         raise ValueError(f"--budget must be >= 1 and --example >= 0, got {args.budget} and {args.example}")
     budget = args.budget or run["budget"]
     configs = [SparseConfig(p, budget, run["interval"], run["window"], run["sink"]) for p in args.policies]
-    model, tokenizer = load_pretrained(args.model)
     examples = held_out_examples(settings["task"], 256, settings["seed"], *settings["digits"])   # train.py's held-out
     long = [e for e in examples if len(e["prompt"]) + 1 > budget + run["interval"]]
-    if args.example >= len(long):
-        raise ValueError(f"--example {args.example}: only {len(long)} held-out prompts are longer than the budget")
+    if args.example >= len(long):                                     # before the model loads
+        raise ValueError(f"--example {args.example}: only {len(long)} held-out prompts are longer than the budget "
+                         f"({budget}) + interval ({run['interval']})")
+    model, tokenizer = load_pretrained(args.model)
     example = long[args.example]
     role = ["prompt"] + ["needed" if c.isdigit() else "distractor" if c.islower() else "prompt" for c in example["prompt"]]
     share = lambda kept, r: kept[-1, :len(role)][torch.tensor([x == r for x in role])].mean().item()  # the last step
@@ -449,6 +457,10 @@ def main(argv=None):
     args = parse_args(argv)
     start = time.time()
     try:
+        if empty := [k for k, v in vars(args).items() if v == ""]:    # a path of '' is the current folder (--out),
+            raise ValueError(f"--{empty[0].replace('_', '-')} is empty: give a file or folder name")   # or nothing
+        if args.command == "keeps" and Path(args.out).is_dir():       # else silently <folder>.png beside it
+            raise ValueError(f"--out {args.out!r} is a folder; give a file name (a .png)")
         if getattr(args, "out", None):                                 # a bad --out, found before the work
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         table = dict(inference=inference, runs=runs, keeps=keeps)[args.command](args)

@@ -194,6 +194,11 @@ def test_a_run_whose_data_file_is_gone_is_named_before_any_model_is_loaded(tmp_p
     (["inference", "--adapter", "no-such.safetensors"], "--adapter 'no-such.safetensors': no such file"),
     (["keeps", "--budget", "0"], "--budget must be >= 1 and --example >= 0, got 0 and 0"),
     (["keeps", "--example", "-1"], "--budget must be >= 1 and --example >= 0, got None and -1"),
+    (["inference", "--adapter", ""], "--adapter is empty: give a file or folder name"),   # was: no adapter, silently
+    (["keeps", "--out", ""], "--out is empty: give a file or folder name"),              # was: ./.png
+    (["keeps", "--out", "."], "--out '.' is a folder; give a file name \\(a .png\\)"),      # was: ./..png
+    (["keeps", "--budget", "1000"], "only 0 held-out prompts are longer than the budget \\(1000\\) \\+ interval "
+                                    "\\(4\\)$"),                                 # the model loaded first
 ])
 def test_inference_and_keeps_refuse_bad_flags_before_loading(tmp_path, monkeypatch, argv, message):
     (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4], seed=0)))
@@ -202,6 +207,23 @@ def test_inference_and_keeps_refuse_bad_flags_before_loading(tmp_path, monkeypat
     where = ["--data", str(tmp_path / "q.jsonl")] if argv[0] == "inference" else []
     with pytest.raises(SystemExit, match=message):
         report.main(argv + ["--model", str(tmp_path)] + where)
+
+
+def test_runs_refuses_an_empty_out_prefix():
+    with pytest.raises(SystemExit, match="^error: --out is empty: give a file or folder name$"):   # was: ./.md
+        report.main(["runs", "no-such-run", "--out", ""])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{bad", "warmup.json holds no warm-up's settings \\(a JSON object with task, digits, seed\\): Expecting"),
+    ("[1]", "holds no warm-up's settings"), ('{"task": "pick", "digits": [3, 4]}', "holds no warm-up's .*'seed'"),
+    ('{"task": "count", "digits": [3, 4], "seed": 0}', "no toy task 'count'; the tasks are pick, "),
+])
+def test_keeps_names_a_warmup_json_that_holds_no_warm_up(tmp_path, monkeypatch, text, message):
+    (tmp_path / "warmup.json").write_text(text)                       # each was a traceback or an unnamed JSON error
+    monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit, match=message):
+        report.main(["keeps", "--model", str(tmp_path)])
 
 
 def test_keeps_without_a_warm_up_names_the_folder_and_the_one_to_pass(tmp_path, monkeypatch):
