@@ -390,6 +390,12 @@ def main(argv=None):
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.profile < 0:
         p.error(f"--profile must be >= 0 (0: no profile), got {args.profile}")
+    for name in ("batch", "prompt", "new", "rounds", "profile"):      # else an OverflowError as the model is built
+        if getattr(args, name) >= 2 ** 31:
+            p.error(f"--{name} must be < 2**31, got {getattr(args, name)}")
+    if args.count_ops and args.step_times or (args.count_ops or args.step_times) and (args.hf or args.profile):
+        p.error("--count-ops and --step-times are runs of their own: give one, without --hf or --profile (the "
+                "timed run's)")
     try:
         device = pick_device(args.device)
         for policy in args.policies.split(","):
@@ -398,7 +404,7 @@ def main(argv=None):
         p.error(str(error))
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     torch.manual_seed(0)
-    longest = args.prompt + max(args.new, 3 * args.interval)     # --count-ops runs 3 intervals
+    longest = args.prompt + max(args.new, 3 * args.interval, args.profile)   # --count-ops runs 3 intervals
     config = LlamaConfig(max_position_embeddings=longest + 1, **SHAPES[args.shape])
     with torch.device(device):   # initialised where it runs: a 2B model takes ~25 s to initialise on a CPU
         model = LlamaForCausalLM(config)

@@ -436,6 +436,10 @@ def test_the_command_line_refuses_every_count_below_one_before_building_a_model(
     (["--policies", "full,xyz"], "unknown policy 'xyz'; allowed: full, streaming"),
     (["--policies", "blocktopk", "--budget", "4"], "budget=4 must be >= page_size = 16"),
     (["--device", "gpu"], "device type at start of device string: gpu"),
+    (["--prompt", str(2 ** 63)], f"--prompt must be < 2**31, got {2 ** 63}"),       # was: an OverflowError traceback
+    (["--count-ops", "--step-times"], "--count-ops and --step-times are runs of their own: give one"),  # one was
+    (["--step-times", "--hf"], "without --hf or --profile"),                          # silently dropped
+    (["--count-ops", "--profile", "8"], "without --hf or --profile"),
 ])
 def test_the_command_line_refuses_bad_flags_before_building_a_model(monkeypatch, capsys, argv, message):
     import transformers
@@ -445,3 +449,21 @@ def test_the_command_line_refuses_bad_flags_before_building_a_model(monkeypatch,
     with pytest.raises(SystemExit):
         static.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_the_model_has_positions_for_a_profile_longer_than_the_timed_rollouts(monkeypatch):
+    # --profile 5000 beside --new 512 was a traceback at the very end, after every timed rollout: "max_new_tokens
+    # 5000: ... must fit the model's 897 positions"
+    import transformers
+
+    import static
+
+    class Built(Exception):
+        pass
+
+    def config(**kwargs):
+        raise Built(kwargs["max_position_embeddings"])
+    monkeypatch.setattr(transformers, "LlamaConfig", config)
+    with pytest.raises(Built) as built:
+        static.main(["--prompt", "256", "--new", "512", "--profile", "5000"])
+    assert built.value.args[0] >= 256 + 5000
