@@ -207,6 +207,9 @@ def main(argv=None):
         parser.error("give an action: list, start N, test N or reset N")
     try:
         if args.action == "list":
+            if args.n is not None:   # else silently the whole list: `list 3` may mean `start 3` or `test 3`
+                raise LabError(f"`python lab.py list` takes no exercise number, got "
+                               f"{' '.join([args.n, *args.pytest_args])}")
             print(listing())
             return 0
         if args.n is None:
