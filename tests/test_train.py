@@ -715,6 +715,9 @@ def test_a_data_file_that_leaves_exactly_a_steps_prompts_trains_on_all_of_them(t
     assert sorted(int(e["answer"]) for e in train.step_examples(args, training, 1)) == list(range(1, 10))
     with pytest.raises(ValueError, match="leaves 9 training examples after the 3 held out .* --prompts 10"):
         train.load_data(train.parse_args(argv + ["10"]))
+    # with --eval-data the whole file trains: it said "after the 3 held out (--eval-size) ...: pass --eval-data"
+    with pytest.raises(ValueError, match="d.jsonl holds 12 training examples; a step needs --prompts 13$"):
+        train.load_data(train.parse_args(argv + ["13", "--eval-data", str(data)]))
     training, held_out = train.load_data(train.parse_args(argv + ["10", "--steps", "0"]))   # evaluate only: no step
     assert len(training) == 9 and [e["answer"] for e in held_out] == ["10", "11", "12"]
 
