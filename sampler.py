@@ -138,6 +138,9 @@ def check_length(longest_prompt, max_new_tokens, config):
     """Reject a generation that would run past the model's positions (`max_position_embeddings`): the model
     never saw them, and a huge `max_new_tokens` would fail later in torch's allocator instead."""
     positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and longest_prompt >= positions:   # else "so at most -75": the prompts are too long
+        raise ValueError(f"the longest prompt ({longest_prompt} tokens) leaves none of the model's {positions} "
+                         "positions for a response: shorter prompts (a toy run: a smaller --digits MAX)")
     if positions is not None and longest_prompt + max_new_tokens > positions:
         raise ValueError(f"max_new_tokens {max_new_tokens}: the longest prompt ({longest_prompt} tokens) plus the "
                          f"response must fit the model's {positions} positions, "

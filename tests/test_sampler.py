@@ -209,6 +209,8 @@ def test_a_model_without_max_position_embeddings_is_not_limited():
     sampler.check_length(3, 10 ** 9, SimpleNamespace())
     with pytest.raises(ValueError, match="so at most 13"):
         sampler.check_length(3, 14, SimpleNamespace(max_position_embeddings=16))
+    with pytest.raises(ValueError, match="^the longest prompt \\(16 tokens\\) leaves none of the model's 16 positions"):
+        sampler.check_length(16, 1, SimpleNamespace(max_position_embeddings=16))   # was: "so at most 0"
 
 
 def test_the_first_and_last_token_ids_are_accepted():
