@@ -236,6 +236,10 @@ def check_args(args):
         raise ValueError(f"--gguf-file {args.gguf_file!r} needs --model, the folder that holds it")
     if not 1 <= args.digits[0] <= args.digits[1]:
         raise ValueError(f"--digits needs 1 <= MIN <= MAX, got {args.digits}")
+    if args.model is None and args.max_new_tokens < args.digits[1]:   # a toy answer has up to MAX characters
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} cuts off the toy answers of up to {args.digits[1]} "
+                         f"digits (--digits MAX), so no long answer can be right: give --max-new-tokens >= "
+                         f"{args.digits[1]}")
     if args.controller is not None and not 0 <= args.controller <= 1:
         raise ValueError(f"--controller THRESHOLD is a 5th-percentile acceptance in [0, 1] (Sparrow's 0.86), got "
                          f"{args.controller}")

@@ -106,6 +106,8 @@ def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
     (["--eval-every", "0"], "--eval-every must be >= 1, got 0"),                # else a modulo by zero at step 1
     (["--data", "d.jsonl"], "--data needs --model"),
     (["--digits", "5", "3"], "--digits needs 1 <= MIN <= MAX, got \\[5, 3\\]"),
+    (["--task", "reverse", "--digits", "12", "30"], "--max-new-tokens 24 cuts off the toy answers of up to 30 "
+     "digits"),                                                               # was: every long answer cut, silently
     (["--data", ".", "--model", "x/y"], "data file '.' is a folder, not a file"),
     (["--steps", "0", "--controller", "0.86"], "--steps 0 evaluates fixed budgets"),
     (["--temperature", "0"], "--temperature 0 samples greedily"),
