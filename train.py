@@ -273,8 +273,9 @@ def main(argv=None):
                  for b in args.eval_budgets or [args.budget]] if args.steps == 0 else []
         train, held_out = load_data(args)
         ckpt = resume_point(args, out) if args.resume else None
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"--out {str(out)!r} is a file, not a folder")
+        holder = next(p for p in (out, *out.parents) if p.exists())   # --out itself, or what it would go in
+        if not holder.is_dir():
+            raise ValueError(f"--out {str(out)!r}: {str(holder)!r} is a file, not a folder")
         made = [p for p in (out, *out.parents) if not p.exists()]     # innermost first
         out.mkdir(parents=True, exist_ok=True)
         torch.set_num_threads(threads(args))
