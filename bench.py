@@ -411,6 +411,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick and args.model:
         parser.error("--quick runs the tiny random model; it cannot be combined with --model")
+    if args.gpu and (given := [f"--{n}" for n in ("model", "repeats") if getattr(args, n) is not None]):
+        parser.error(f"--gpu takes --quick, --out and --deadline only, not {' or '.join(given)}")
     if args.deadline is not None and not (args.gpu and args.deadline >= 0):
         parser.error(f"--deadline goes with --gpu and must be >= 0, got {args.deadline}"
                      + ("" if args.gpu else " without --gpu"))

@@ -123,6 +123,8 @@ def test_an_eviction_wrapper_is_removed_after_use():
     (["--quick", "--model", "x"], "cannot be combined with --model"),
     (["--model", ""], "--model is empty: give a model, or leave it out"),       # was: the random model's bench, minutes
     (["--quick", "--out", ""], "--out is empty: give a file name"),                    # was: the default file, silently
+    (["--gpu", "--repeats", "3"], "error: --gpu takes --quick, --out and --deadline only, not --repeats"),
+    (["--gpu", "--model", ""], "--gpu takes --quick, --out and --deadline only, not --model"),   # '' is no model either
 ])
 def test_bad_flags_are_one_error_line_before_any_timing(monkeypatch, capsys, argv, message):
     monkeypatch.setattr(bench, "throughput", lambda *a: pytest.fail("it started timing"))
