@@ -3,7 +3,8 @@
 Each `lines A-B name` of "Read the code in this order" must name a function of the file last mentioned that starts
 at line A (its `def`, or the decorator above it) and ends at line B: a reader following the list by line numbers
 lands on it. Each `python X.py ...` of README.md, LAB.md, docs/ and the scripts' docstrings must be a command line
-its script accepts: a reader who copies one gets a run, not a usage error."""
+a command line its script's parser accepts (train.py's and evaluate.py's: and `cli.check_args`): a reader who
+copies one gets no usage error."""
 import argparse
 import ast
 import importlib
@@ -56,7 +57,7 @@ PLACEHOLDERS = {"N": "1", "S": "0", "FILE.json": "results/schedule.json", "PATH"
 
 
 def shown_commands():
-    """[(where, script, argv)] of every `python X.py ...` in the docs' code lines and inline code, and in the module
+    """[(where, script, argv)] of every `python X.py ...` in the docs' code (indented or fenced) and inline code, and in the module
     docstrings of the scripts: a wrapped line or span is joined, a shell brace {a,b} or glob ? takes its first value,
     and the command ends at a redirection or at two spaces (a usage line's description)."""
     sources = [ROOT / "README.md", ROOT / "LAB.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -65,8 +66,10 @@ def shown_commands():
     found = []
     for name, text in texts:
         text = re.sub(r"\s*\\\n\s*", " ", text)                               # a code line's continuation
+        fenced = re.split(r"^```.*$", text, flags=re.M)[1::2]                  # inside ``` fences: code
+        text = re.sub(r"^```.*?^```.*?$", "", text, flags=re.M | re.S)
         lines = text.splitlines()
-        code = [line for line in lines if line.startswith("    ")]
+        code = [line for line in lines if line.startswith("    ")] + "\n".join(fenced).splitlines()
         prose = "\n".join(line for line in lines if not line.startswith("    "))
         spans = [s.replace("\n", " ") for s in re.findall(r"`([^`]+)`", prose)]
         for piece in spans + code:
@@ -105,14 +108,17 @@ def test_every_command_the_docs_show_parses(monkeypatch, capsys):
     copies a command from the docs gets an error. Every command is parsed by its script's own parser, and
     train.py's and evaluate.py's are checked by `cli.check_args` too, unless a data file it names is not in this
     checkout (../shared's, from a clone outside /work; a reader's own train.jsonl)."""
+    monkeypatch.chdir(ROOT)                                            # the docs' paths are the repository's
     commands = shown_commands()
-    assert len(commands) >= 80 and {s for _, s, _ in commands} == set(SCRIPTS), "the docs' commands went missing"
+    assert len(commands) >= 110 and {s for _, s, _ in commands} == set(SCRIPTS), "the docs' commands went missing"
     wrong = []
     for where, script, argv in commands:
         try:
-            if script in ("train", "evaluate"):                     # evaluate.py: train.py's evaluate-only run
-                args = cli.parse_args(["--steps", "0"] * (script == "evaluate") + argv)
-                if all(path is None or (ROOT / path).is_file() for path in (args.data, args.eval_data)):
+            if script in ("train", "evaluate"):
+                if script == "evaluate":                                 # train.py's evaluate-only run
+                    argv = ["--steps", "0", *argv]
+                args = cli.parse_args(argv)
+                if all(path is None or Path(path).is_file() for path in (args.data, args.eval_data)):
                     cli.check_args(args)
             else:
                 parse_only(script, argv, monkeypatch)
