@@ -9,7 +9,8 @@
   A GGUF file is de-quantised once into a cache folder and saved
   with `save_pretrained`; later loads read plain safetensors in a fraction of a second.
 - `save_checkpoint` / `load_checkpoint`: a run's checkpoint, the plain policy (`save_pretrained`)
-  beside the trainer's state and the DistillSparse adapter; `--resume` starts from the last one.
+  beside the trainer's state and the DistillSparse adapter; `--resume` starts from the last one, after
+  `checkpoint_args` has read the settings it was made with.
 - `save_atomically`: every folder we write (checkpoints, the warm-up, the de-quantised copy) is
   written under a temporary name and renamed into place, so a crash never leaves half a folder.
 
@@ -149,11 +150,15 @@ def pretrained_folder(model, gguf_file=None, cache_dir=CACHE_DIR):
             print(f"{model!r} is no folder here: asking the Hugging Face hub for it", file=sys.stderr)
         return model
     folder, name = source
-    if str(cache_dir) == "" or Path(cache_dir).expanduser().is_file():   # found now, not after de-quantising
-        raise ValueError(f"--cache-dir {str(cache_dir)!r} " + ("is a file" if str(cache_dir) else "is empty") +
-                         ": give a folder (none: ~/.cache/sparse-rl)")
+    cache = Path(cache_dir).expanduser()
+    try:   # a bad --cache-dir found now, not after ~20 s of de-quantising, as a hub error
+        if not str(cache_dir) or cache.is_file():                    # '': the current folder
+            raise OSError("give a folder (none: ~/.cache/sparse-rl)")
+        cache.mkdir(parents=True, exist_ok=True)                     # under a file, unwritable: the OS says so
+    except OSError as error:
+        raise ValueError(f"--cache-dir {str(cache_dir)!r}: {error}") from None
     key = hashlib.sha1(str(folder.resolve() / name).encode()).hexdigest()[:8]
-    cached = Path(cache_dir).expanduser() / f"{Path(name).stem}-{key}"
+    cached = cache / f"{Path(name).stem}-{key}"
     if not cached.is_dir():
         missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
         if missing:
@@ -232,32 +237,41 @@ def set_aside(out):
     return out / f"previous-{n}"
 
 
+def damaged(folder):
+    """What a damaged checkpoint's error says to do."""
+    return f"a damaged checkpoint: remove {folder}, or start without --resume"
+
+
 def checkpoint_args(folder):
     """The args.json of a checkpoint folder, the settings of the run that made it, as a dict; a ValueError in one
     line where it is missing or no JSON object, or where the folder lacks the weights' config or trainer_state.pt."""
-    path, damaged = Path(folder) / "args.json", f"a damaged checkpoint: remove {folder}, or start without --resume"
+    path = Path(folder) / "args.json"
     try:
         saved = json.loads(path.read_text())
     except (OSError, ValueError) as error:
-        raise ValueError(f"cannot read {path} ({error}): {damaged}") from None
+        raise ValueError(f"cannot read {path} ({error}): {damaged(folder)}") from None
     if not isinstance(saved, dict):
-        raise ValueError(f"{path} holds a {type(saved).__name__}, not a run's settings (a JSON object): {damaged}")
-    if missing := [f for f in ("config.json", "trainer_state.pt") if not (Path(folder) / f).is_file()]:
-        raise ValueError(f"{folder} holds no {missing[0]}: {damaged}")
+        raise ValueError(f"{path} holds a {type(saved).__name__}, not a run's settings (a JSON object): "
+                         f"{damaged(folder)}")
+    for name in ("config.json", "trainer_state.pt"):
+        if not (Path(folder) / name).is_file():
+            raise ValueError(f"{folder} holds no {name}: {damaged(folder)}")
     return saved
 
 
 def load_checkpoint(folder, device, dtype):
     """(policy in eval mode, trainer state) of a checkpoint folder; a ValueError in one line where it is damaged."""
-    damaged = f"a damaged checkpoint: remove {folder}, or start without --resume"
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-    except Exception as error:   # missing weights (OSError), a torn file (safetensors' own error type)
-        raise ValueError(f"cannot load the weights of {folder} ({str(error).splitlines()[0]}): {damaged}") from None
-    try:   # torch's message for a torn file suggests weights_only=False: no answer to a damaged file
-        return model, torch.load(Path(folder) / "trainer_state.pt", weights_only=True)
+    try:   # missing weights (OSError), a torn file (safetensors' own error type); not `.to(device)`'s out of memory
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     except Exception as error:
-        raise ValueError(f"{folder}/trainer_state.pt is no trainer state ({type(error).__name__}): {damaged}") from None
+        raise ValueError(f"cannot load the weights of {folder} ({str(error).splitlines()[0]}): "
+                         f"{damaged(folder)}") from None
+    try:   # torch's message for a torn file suggests weights_only=False: no answer to a damaged file
+        state = torch.load(Path(folder) / "trainer_state.pt", weights_only=True)
+    except Exception as error:
+        raise ValueError(f"{folder}/trainer_state.pt is no trainer state ({type(error).__name__}): "
+                         f"{damaged(folder)}") from None
+    return model.to(device).eval(), state
 
 
 def save_atomically(folder, write):

@@ -275,13 +275,14 @@ def test_two_gguf_files_of_one_name_get_cache_folders_of_their_own(tmp_path, mon
 
 def test_a_cache_dir_that_is_a_file_or_empty_and_a_gguf_file_beside_smollm2_are_refused_before_any_load(tmp_path,
                                                                                                     monkeypatch):
-    # the file: its error came after a ~20 s de-quantisation, as a hub error; empty: the copy went into the current
-    # folder; --gguf-file with smollm2-135m was silently ignored
+    # a file, or a folder under one: its error came after a ~20 s de-quantisation, as a hub error; empty: the copy
+    # went into the current folder; --gguf-file with smollm2-135m was silently ignored
     (tmp_path / "m.gguf").write_bytes(b"")
     (tmp_path / "file").write_text("")
     monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
-    for cache_dir, message in ((tmp_path / "file", "--cache-dir '.*file' is a file: give a folder"),
-                               ("", "--cache-dir '' is empty: give a folder")):
+    for cache_dir, message in ((tmp_path / "file", "--cache-dir '.*file': give a folder"),
+                               (tmp_path / "file" / "sub", "--cache-dir '.*sub': .*Not a directory"),
+                               ("", "--cache-dir '': give a folder")):
         with pytest.raises(ValueError, match=message):
             models.pretrained_folder(str(tmp_path / "m.gguf"), cache_dir=cache_dir)
     with pytest.raises(ValueError, match="--gguf-file 'x.gguf' names a file in a --model folder; smollm2-135m"):
