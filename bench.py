@@ -418,15 +418,16 @@ def main(argv=None):
                      + ("" if args.gpu else " without --gpu"))
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    if empty := [name for name in ("out", "model") if getattr(args, name) == ""]:   # else silently the default
-        parser.error(f"--{empty[0]} is empty: give {dict(out='a file name', model='a model')[empty[0]]}, or leave "
-                     "it out")
+    for name, what in (("out", "a file name"), ("model", "a model")):
+        if getattr(args, name) == "":                                   # else silently the default
+            parser.error(f"--{name} is empty: give {what}, or leave it out")
     if args.out and (Path(args.out).is_dir() or args.out.endswith(("/", os.sep))):   # now, not after the bench
         parser.error(f"--out {args.out!r} is a folder; give a file name")
-    try:                                                  # every default lies in results/; --gpu's too
-        os.makedirs(os.path.dirname(args.out or "results/") or ".", exist_ok=True)
+    out = args.out or "results/"                          # every default lies in results/; --gpu's too
+    try:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     except OSError as error:
-        parser.error(f"--out {args.out!r}: {error}")
+        parser.error(f"--out {out!r}: {error}")
     if args.gpu:   # imported here, not at the top: bench_gpu builds on this module
         import bench_gpu
         return bench_gpu.main(args)

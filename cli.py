@@ -239,7 +239,7 @@ def check_args(args):
     if args.model is None and args.max_new_tokens < args.digits[1]:   # a toy answer has up to MAX characters
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} cuts off the toy answers of up to {args.digits[1]} "
                          f"digits (--digits MAX), so no long answer can be right: give --max-new-tokens >= "
-                         f"{args.digits[1]}")
+                         f"{args.digits[1]} (or a smaller --digits MAX)")
     if args.controller is not None and not 0 <= args.controller <= 1:
         raise ValueError(f"--controller THRESHOLD is a 5th-percentile acceptance in [0, 1] (Sparrow's 0.86), got "
                          f"{args.controller}")

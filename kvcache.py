@@ -78,9 +78,9 @@ class SparseConfig:
         for name in ("sink", "dense_layers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
-        if big := [n for n in ("budget", "interval", "window", "sink", "page_size") if getattr(self, n) > DENSE]:
-            raise ValueError(f"{big[0]} must be at most 2**40 (DENSE, a budget that never evicts), got "
-                             f"{getattr(self, big[0])}")
+        for name in ("budget", "interval", "window", "sink", "page_size"):
+            if getattr(self, name) > DENSE:
+                raise ValueError(f"{name} must be at most 2**40 (DENSE: never evicts), got {getattr(self, name)}")
         budget = min([self.budget] if self.schedule is None else [b for b in self.schedule.budgets if b],
                      default=self.min_budget)
         if budget < self.min_budget:

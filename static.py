@@ -393,9 +393,10 @@ def main(argv=None):
     for name in ("batch", "prompt", "new", "rounds", "profile"):      # else an OverflowError as the model is built
         if getattr(args, name) >= 2 ** 31:
             p.error(f"--{name} must be < 2**31, got {getattr(args, name)}")
-    if args.count_ops and args.step_times or (args.count_ops or args.step_times) and (args.hf or args.profile):
-        p.error("--count-ops and --step-times are runs of their own: give one, without --hf or --profile (the "
-                "timed run's)")
+    given = [f"--{name.replace('_', '-')}" for name in ("count_ops", "step_times", "hf", "profile")
+             if getattr(args, name)]
+    if (args.count_ops or args.step_times) and len(given) > 1:        # else all but one silently dropped
+        p.error(f"--count-ops and --step-times are runs of their own, each alone: got {' '.join(given)}")
     try:
         device = pick_device(args.device)
         for policy in args.policies.split(","):
@@ -404,7 +405,7 @@ def main(argv=None):
         p.error(str(error))
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     torch.manual_seed(0)
-    longest = args.prompt + max(args.new, 3 * args.interval, args.profile)   # --count-ops runs 3 intervals
+    longest = args.prompt + max(args.new, 3 * args.interval, args.profile)   # --count-ops: 3 intervals
     config = LlamaConfig(max_position_embeddings=longest + 1, **SHAPES[args.shape])
     with torch.device(device):   # initialised where it runs: a 2B model takes ~25 s to initialise on a CPU
         model = LlamaForCausalLM(config)

@@ -112,9 +112,9 @@ def load_data(args):
     train = load_jsonl(args.data)
     held_out = load_jsonl(args.eval_data) if args.eval_data else train[-args.eval_size:]
     train = train if args.eval_data else train[: -args.eval_size]
-    if args.steps and len(train) < args.prompts and args.eval_data:   # an evaluation (--steps 0) takes no step
-        raise ValueError(f"{args.data} holds {len(train)} training examples; a step needs --prompts {args.prompts}")
-    if args.steps and len(train) < args.prompts:
+    if args.steps and len(train) < args.prompts:                      # an evaluation (--steps 0) takes no step
+        if args.eval_data:
+            raise ValueError(f"{args.data} holds {len(train)} training examples; a step needs --prompts {args.prompts}")
         raise ValueError(f"{args.data} leaves {len(train)} training examples after the {args.eval_size} held out "
                          f"(--eval-size); a step needs --prompts {args.prompts}: pass --eval-data or a smaller --eval-size")
     return train, held_out[: args.eval_size]

@@ -437,9 +437,9 @@ def test_the_command_line_refuses_every_count_below_one_before_building_a_model(
     (["--policies", "blocktopk", "--budget", "4"], "budget=4 must be >= page_size = 16"),
     (["--device", "gpu"], "device type at start of device string: gpu"),
     (["--prompt", str(2 ** 63)], f"--prompt must be < 2**31, got {2 ** 63}"),       # was: an OverflowError traceback
-    (["--count-ops", "--step-times"], "--count-ops and --step-times are runs of their own: give one"),  # one was
-    (["--step-times", "--hf"], "without --hf or --profile"),                          # silently dropped
-    (["--count-ops", "--profile", "8"], "without --hf or --profile"),
+    (["--count-ops", "--step-times"], "runs of their own, each alone: got --count-ops --step-times"),   # one was
+    (["--step-times", "--hf"], "runs of their own, each alone: got --step-times --hf"),         # silently dropped
+    (["--count-ops", "--profile", "8"], "runs of their own, each alone: got --count-ops --profile"),
 ])
 def test_the_command_line_refuses_bad_flags_before_building_a_model(monkeypatch, capsys, argv, message):
     import transformers
