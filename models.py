@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from tasks import demonstrations, encode_prompt, encode_target, make_examples
+from tasks import TOY_TASKS, demonstrations, encode_prompt, encode_target, make_examples
 
 SMOLLM2 = "smollm2-135m"
 SMOLLM2_GGUF = "SMOLLM2_GGUF"      # environment variable: the GGUF file of SMOLLM2, where the package is not installed
@@ -235,6 +235,23 @@ def set_aside(out):
         if old.exists():
             old.rename(out / f"previous-{n}" / old.name)
     return out / f"previous-{n}"
+
+
+def toy_settings(path, needs=("task", "digits")):
+    """The settings a toy warm-up (warmup.json) or run (args.json) was made with, as a dict; a ValueError in one
+    line naming the file where it is no JSON object with the keys `needs`, or names no toy task or digits."""
+    try:
+        settings = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read {path}: {error}") from None
+    if not isinstance(settings, dict) or not all(key in settings for key in needs):
+        raise ValueError(f"{path} holds no toy run's settings: a JSON object with {', '.join(needs)}")
+    if settings["task"] not in TOY_TASKS:
+        raise ValueError(f"{path}: no toy task {settings['task']!r}; the tasks are {', '.join(TOY_TASKS)}")
+    digits = settings["digits"]
+    if not (isinstance(digits, list) and len(digits) == 2 and all(type(d) is int for d in digits)):
+        raise ValueError(f"{path}: digits must be [MIN, MAX], two integers, got {digits!r}")
+    return settings
 
 
 def damaged(folder):

@@ -39,7 +39,7 @@ import train
 from correction import ALPHA_TOPK
 from evaluate import accuracy, eval_rewards, run_inference, run_reward
 from kvcache import POLICIES, SparseConfig
-from models import CACHE_DIR, DTYPES, SMOLLM2, last_checkpoint, load_pretrained, pick_device
+from models import CACHE_DIR, DTYPES, SMOLLM2, last_checkpoint, load_pretrained, pick_device, toy_settings
 from sampler import generate
 from schedule import THRESHOLD
 from tasks import TOY_TASKS, encode_prompt, held_out_examples, load_jsonl, numeric_reward
@@ -392,15 +392,8 @@ def keeps(args):
     if not made.is_file():
         raise ValueError(("no such folder" if not Path(args.model).is_dir() else "no warmup.json in") +
                          f" {args.model!r}: pass --model out/warmup (`python train.py` makes it)")
-    try:
-        settings = json.loads(made.read_text())
-        task, _, _ = settings["task"], settings["digits"], settings["seed"]
-    except (ValueError, KeyError, TypeError) as error:     # a list: TypeError
-        raise ValueError(f"{made} holds no warm-up's settings (a JSON object with task, digits, seed): "
-                         f"{error}") from None
-    if task not in TOY_TASKS:
-        raise ValueError(f"{made}: no toy task {task!r}; the tasks are {', '.join(TOY_TASKS)}")
-    run = TOY_TASKS[task]
+    settings = toy_settings(made, needs=("task", "digits", "seed"))
+    run = TOY_TASKS[settings["task"]]
     if (args.budget is not None and args.budget < 1) or args.example < 0:
         raise ValueError(f"--budget must be >= 1 and --example >= 0, got {args.budget} and {args.example}")
     budget = args.budget or run["budget"]

@@ -29,7 +29,7 @@ import distill
 import tasks
 from correction import acceptance, dense_logprobs  # alpha = sum_v min(p_a, p_b) (section 4)
 from kvcache import DENSE, POLICIES, SparseConfig
-from models import DTYPES, autocast, load_pretrained, pick_device
+from models import DTYPES, autocast, load_pretrained, pick_device, toy_settings
 from policies import RESERVED_PAGES
 from sampler import check_length, generate
 
@@ -453,12 +453,9 @@ def parse_args(argv=None):
             p.error(f"no toy warm-up or checkpoint in {args.model!r} (no warmup.json, no args.json): run "
                     "`python train.py` first (it makes out/warmup), or pass --model")
         try:
-            args.warmup = json.loads(made[0].read_text())
-            task, _ = args.warmup["task"], args.warmup["digits"]     # a list: TypeError
-        except (ValueError, KeyError, TypeError) as error:
-            p.error(f"{made[0]} holds no train.py run's settings (a JSON object with its task and digits): {error}")
-        if task not in tasks.TOY_TASKS:
-            p.error(f"{made[0]}: no toy task {task!r}; the tasks are {', '.join(tasks.TOY_TASKS)}")
+            args.warmup = toy_settings(made[0])
+        except ValueError as error:
+            p.error(str(error))
         if args.warmup.get("model"):
             p.error(f"{args.model!r} was trained from --model {args.warmup['model']}: --calibrate takes the toy "
                     "warm-up or a toy run's checkpoint (its prompts are the toy task's)")

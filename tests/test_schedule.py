@@ -596,8 +596,9 @@ def test_calibration_refuses_a_checkpoint_of_a_real_model(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("{bad", "holds no train.py run's settings \\(a JSON object with its task and digits\\): Expecting property"),
-    ("[1]", "holds no train.py run's settings"), ('{"digits": [3, 6]}', "holds no train.py run's settings .*'task'"),
+    ("{bad", "cannot read .*warmup.json: Expecting property"), ("[1]", "holds no toy run's settings"),
+    ('{"digits": [3, 6]}', "holds no toy run's settings: a JSON object with task, digits"),
+    ('{"task": "pick", "digits": [3, "6"]}', "digits must be \\[MIN, MAX\\], two integers, got \\[3, '6'\\]"),
     ('{"task": "count", "digits": [3, 6]}', "warmup.json: no toy task 'count'; the tasks are pick, "),
 ])
 def test_calibration_names_a_warmup_json_that_holds_no_run(tmp_path, capsys, text, message):
