@@ -195,13 +195,15 @@ def parse_args(argv=None, description=TRAIN_HELP, hide=()):
 
 def check_args(args):
     """Every bad value is one clear error line, before any model is built."""
-    for name, value in vars(args).items():                             # nan passes every `< 0` check below
+    # nan passes every `< 0` check below; an integer of 2**31 or more overflows in torch, a traceback after the model
+    # loads (--seed: checked below); a path of '' is the current folder
+    for name, value in vars(args).items():
         for x in value if isinstance(value, list) else [value]:
             if isinstance(x, float) and not math.isfinite(x):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {x}")
-            if isinstance(x, int) and x >= 2 ** 31 and name != "seed":   # else torch's int64 overflows, a traceback
-                raise ValueError(f"--{name.replace('_', '-')} must be < 2**31, got {x}")   # after the model loads
-            if x == "":                                                # a path of '' is the current folder
+            if isinstance(x, int) and x >= 2 ** 31 and name != "seed":
+                raise ValueError(f"--{name.replace('_', '-')} must be < 2**31, got {x}")
+            if x == "":
                 raise ValueError(f"--{name.replace('_', '-')} is empty: give a file or folder name, or leave it out")
     for name in ["budget", "interval", "window", "bin_size", "max_new_tokens", "prompts", "ppo_epochs", "micro_batch",
                  "eval_every", "eval_size", "save_every", "lora_rank"]:

@@ -450,8 +450,9 @@ def main(argv=None):
     args = parse_args(argv)
     start = time.time()
     try:
-        if empty := [k for k, v in vars(args).items() if v == ""]:    # a path of '' is the current folder (--out),
-            raise ValueError(f"--{empty[0].replace('_', '-')} is empty: give a file or folder name")   # or nothing
+        for name, value in vars(args).items():     # a path of '': the current folder (--out), or none (--adapter)
+            if value == "":
+                raise ValueError(f"--{name.replace('_', '-')} is empty: give a file or folder name")
         if args.command == "keeps" and Path(args.out).is_dir():       # else silently <folder>.png beside it
             raise ValueError(f"--out {args.out!r} is a folder; give a file name (a .png)")
         if getattr(args, "out", None):                                 # a bad --out, found before the work
