@@ -411,8 +411,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick and args.model:
         parser.error("--quick runs the tiny random model; it cannot be combined with --model")
-    if args.gpu and (given := [f"--{n}" for n in ("model", "repeats") if getattr(args, n) is not None]):
-        parser.error(f"--gpu takes --quick, --out and --deadline only, not {' or '.join(given)}")
+    for name in ("model", "repeats"):
+        if args.gpu and getattr(args, name) is not None:
+            parser.error(f"--gpu takes --quick, --out and --deadline only, not --{name}")
     if args.deadline is not None and not (args.gpu and args.deadline >= 0):
         parser.error(f"--deadline goes with --gpu and must be >= 0, got {args.deadline}"
                      + ("" if args.gpu else " without --gpu"))
@@ -423,11 +424,11 @@ def main(argv=None):
             parser.error(f"--{name} is empty: give {what}, or leave it out")
     if args.out and (Path(args.out).is_dir() or args.out.endswith(("/", os.sep))):   # now, not after the bench
         parser.error(f"--out {args.out!r} is a folder; give a file name")
-    out = args.out or "results/"                          # every default lies in results/; --gpu's too
+    where = args.out or "results/"                        # every default lies in results/; --gpu's too
     try:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        os.makedirs(os.path.dirname(where) or ".", exist_ok=True)
     except OSError as error:
-        parser.error(f"--out {out!r}: {error}")
+        parser.error(f"--out {where!r}: {error}")
     if args.gpu:   # imported here, not at the top: bench_gpu builds on this module
         import bench_gpu
         return bench_gpu.main(args)
