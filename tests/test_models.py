@@ -287,3 +287,25 @@ def test_a_cache_dir_that_is_a_file_or_empty_and_a_gguf_file_beside_smollm2_are_
             models.pretrained_folder(str(tmp_path / "m.gguf"), cache_dir=cache_dir)
     with pytest.raises(ValueError, match="--gguf-file 'x.gguf' names a file in a --model folder; smollm2-135m"):
         models.pretrained_folder(models.SMOLLM2, "x.gguf", tmp_path / "cache")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{bad", "cannot read .*s.json: Expecting property"),
+    ("[1]", "s.json holds no toy run's settings: a JSON object with task, digits$"),
+    ('{"digits": [3, 6]}', "holds no toy run's settings: a JSON object with task, digits$"),
+    ('{"task": "count", "digits": [3, 6]}', "s.json: no toy task 'count'; the tasks are pick, "),
+    ('{"task": "pick", "digits": 5}', "digits must be \\[MIN, MAX\\], two integers, got 5$"),
+    ('{"task": "pick", "digits": [3, "6"]}', "digits must be \\[MIN, MAX\\], two integers, got \\[3, '6'\\]$"),
+    ('{"task": "pick", "digits": [3, true]}', "digits must be \\[MIN, MAX\\], two integers"),   # JSON's true is no 1
+])
+def test_toy_settings_names_a_file_that_holds_no_toy_run(tmp_path, text, message):
+    # the one reader of warmup.json / args.json for schedule.py --calibrate and report.py keeps: each was a traceback
+    (tmp_path / "s.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        models.toy_settings(tmp_path / "s.json")
+
+
+def test_toy_settings_returns_what_train_py_wrote(tmp_path):
+    (tmp_path / "s.json").write_text('{"task": "sort", "digits": [12, 20], "seed": 3, "budget": 24}')
+    assert models.toy_settings(tmp_path / "s.json", needs=("task", "digits", "seed")) == dict(
+        task="sort", digits=[12, 20], seed=3, budget=24)

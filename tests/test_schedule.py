@@ -595,11 +595,9 @@ def test_calibration_refuses_a_checkpoint_of_a_real_model(tmp_path, capsys):
     assert "was trained from --model smollm2-135m: --calibrate takes the toy warm-up" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text, message", [
-    ("{bad", "cannot read .*warmup.json: Expecting property"), ("[1]", "holds no toy run's settings"),
-    ('{"digits": [3, 6]}', "holds no toy run's settings: a JSON object with task, digits"),
-    ('{"task": "pick", "digits": [3, "6"]}', "digits must be \\[MIN, MAX\\], two integers, got \\[3, '6'\\]"),
-    ('{"task": "count", "digits": [3, 6]}', "warmup.json: no toy task 'count'; the tasks are pick, "),
+@pytest.mark.parametrize("text, message", [                        # models.toy_settings' cases: tests/test_models.py
+    ("{bad", "cannot read .*warmup.json: Expecting property"),
+    ('{"digits": [3, 6]}', "holds no toy run's settings: a JSON object with task, digits$"),
 ])
 def test_calibration_names_a_warmup_json_that_holds_no_run(tmp_path, capsys, text, message):
     (tmp_path / "warmup.json").write_text(text)                       # each was a traceback
