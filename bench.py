@@ -32,6 +32,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import correction as C
 import kvcache
+from cli import check_least, check_out_file, check_values
 from kvcache import SparseConfig
 from models import load_pretrained
 from report import markdown, pyplot
@@ -417,18 +418,12 @@ def main(argv=None):
     if args.deadline is not None and not (args.gpu and args.deadline >= 0):
         parser.error(f"--deadline goes with --gpu and must be >= 0, got {args.deadline}"
                      + ("" if args.gpu else " without --gpu"))
-    if args.repeats is not None and args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    for name, what in (("out", "a file name"), ("model", "a model")):
-        if getattr(args, name) == "":                                   # else silently the default
-            parser.error(f"--{name} is empty: give {what}, or leave it out")
-    if args.out and (Path(args.out).is_dir() or args.out.endswith(("/", os.sep))):   # now, not after the bench
-        parser.error(f"--out {args.out!r} is a folder; give a file name")
-    where = args.out or "results/"                        # every default lies in results/; --gpu's too
-    try:
-        os.makedirs(os.path.dirname(where) or ".", exist_ok=True)
-    except OSError as error:
-        parser.error(f"--out {where!r}: {error}")
+    try:                                                              # now, not after the bench
+        check_values(args)
+        check_least(args, 1, ["repeats"])
+        check_out_file(args.out or "results/bench.json")              # every default lies in results/; --gpu's too
+    except ValueError as error:
+        parser.error(str(error))
     if args.gpu:   # imported here, not at the top: bench_gpu builds on this module
         import bench_gpu
         return bench_gpu.main(args)

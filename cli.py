@@ -1,7 +1,8 @@
 """The command line of train.py: the defaults of each kind of run, the flags, and their checks.
 
 One block of settings (nanoGPT keeps one), then `parse_args` (flags grouped by concept, `--help` shows the
-value each will take) and `check_args` (every bad value one clear error line, before any model loads).
+value each will take) and `check_args` (every bad value one clear error line, before any model loads). Its
+checks of any flag's value (`check_values`, `check_least`, `check_out_file`) serve every script's command line.
 The toy tasks' own settings live in tasks.py (`TOY_TASKS`), below both this file and schedule.py.
 
     from cli import parse_args, check_args
@@ -9,6 +10,7 @@ The toy tasks' own settings live in tasks.py (`TOY_TASKS`), below both this file
 """
 import argparse
 import math
+import os
 from pathlib import Path
 
 import correction as C
@@ -193,29 +195,46 @@ def parse_args(argv=None, description=TRAIN_HELP, hide=()):
     return args
 
 
-def check_args(args):
-    """Every bad value is one clear error line, before any model is built."""
-    # nan passes every `< 0` check below; an integer of 2**31 or more overflows in torch, a traceback after the model
-    # loads (--seed: checked below); a path of '' is the current folder
+def check_values(args, unchecked=("seed",)):
+    """What every script's flags need, whatever they mean: a ValueError naming the first bad one. nan passes every
+    `< 0` check; an integer of 2**31 or more overflows in torch, a traceback after the model loads (`unchecked`:
+    flags with a range of their own); a path of '' is the current folder, or silently none."""
     for name, value in vars(args).items():
         for x in value if isinstance(value, list) else [value]:
             if isinstance(x, float) and not math.isfinite(x):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {x}")
-            if isinstance(x, int) and x >= 2 ** 31 and name != "seed":
+            if isinstance(x, int) and x >= 2 ** 31 and name not in unchecked:
                 raise ValueError(f"--{name.replace('_', '-')} must be < 2**31, got {x}")
             if x == "":
-                raise ValueError(f"--{name.replace('_', '-')} is empty: give a file or folder name, or leave it out")
-    for name in ["budget", "interval", "window", "bin_size", "max_new_tokens", "prompts", "ppo_epochs", "micro_batch",
-                 "eval_every", "eval_size", "save_every", "lora_rank"]:
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1 (or left out: chosen by model size), got {args.threads}")
-    if args.minibatch is not None and args.minibatch < 1:
-        raise ValueError(f"--minibatch must be >= 1 (or left out: all rollouts), got {args.minibatch}")
-    for name in ["steps", "warmup_steps", "veto", "kl", "temperature", "seed", "distill_lambda"]:
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+                raise ValueError(f"--{name.replace('_', '-')} is empty: give a file or folder name")
+
+
+def check_least(args, least, names):
+    """A ValueError naming the first of the flags `names` below `least` (a list: each value; None: left out)."""
+    for name in names:
+        value = getattr(args, name)
+        for x in value if isinstance(value, list) else [value]:
+            if x is not None and x < least:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {x}")
+
+
+def check_out_file(path, what="a file name"):
+    """A file to write: a ValueError if `path` is a folder (else a file beside it, or a crash after the work), or its
+    folder cannot be made, which is made now, before the work."""
+    if Path(path).is_dir() or path.endswith(("/", os.sep)):
+        raise ValueError(f"--out {path!r} is a folder; give {what}")
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--out {path!r}: {error}") from None
+
+
+def check_args(args):
+    """Every bad value is one clear error line, before any model is built."""
+    check_values(args)
+    check_least(args, 1, ["budget", "interval", "window", "bin_size", "max_new_tokens", "prompts", "ppo_epochs",
+                          "micro_batch", "eval_every", "eval_size", "save_every", "lora_rank", "threads", "minibatch"])
+    check_least(args, 0, ["steps", "warmup_steps", "veto", "kl", "temperature", "seed", "distill_lambda"])
     for name in ["lr", "clip", "cap", "lora_lr_scale"]:
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")

@@ -237,9 +237,16 @@ def set_aside(out):
     return out / f"previous-{n}"
 
 
-def toy_settings(path, needs=("task", "digits")):
-    """The settings a toy warm-up (warmup.json) or run (args.json) was made with, as a dict; a ValueError in one
-    line naming the file where it is no JSON object with the keys `needs`, or names no toy task or digits."""
+def toy_settings(folder, files=("warmup.json", "args.json"), needs=("task", "digits")):
+    """The settings a toy warm-up (warmup.json) or run (args.json) in `folder` was made with, from the first of
+    `files` there, as a dict; a ValueError in one line naming the folder where it holds none of them, or the file
+    where it is no JSON object with the keys `needs`, or names no toy task or digits."""
+    if not Path(folder).is_dir():
+        raise ValueError(f"--model {str(folder)!r}: no such folder; run `python train.py` first (it makes out/warmup)")
+    path = next((Path(folder, name) for name in files if Path(folder, name).is_file()), None)
+    if path is None:
+        raise ValueError(f"--model {str(folder)!r} holds no {' or '.join(files)}: give the folder of a toy warm-up"
+                         + (" or run" if "args.json" in files else "") + " (`python train.py` makes out/warmup)")
     try:
         settings = json.loads(Path(path).read_text())
     except (OSError, ValueError) as error:

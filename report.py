@@ -87,10 +87,7 @@ def parse_args(argv=None):
 
 def inference(args):
     """Check everything, load the model, run dense and each (policy, budget); -> the markdown table."""
-    if bad := [name for name in ("limit", "max_new_tokens", "interval", "batch_size") if getattr(args, name) < 1]:
-        raise ValueError(f"--{bad[0].replace('_', '-')} must be >= 1, got {getattr(args, bad[0])}")
-    if bad := [b for b in args.budgets if b < 1]:
-        raise ValueError(f"--budgets must be >= 1, got {bad[0]}")
+    cli.check_least(args, 1, ["limit", "max_new_tokens", "interval", "batch_size", "budgets"])
     configs = [SparseConfig("full")] + [SparseConfig(policy, budget, args.interval, args.window, args.sink)
                                         for budget in args.budgets for policy in args.policies]  # raise early
     examples = load_jsonl(args.data)[: args.limit]
@@ -358,8 +355,7 @@ def runs(args):
         raise ValueError("no run folders given")
     if len({os.path.abspath(f) for f in args.folders}) < len(args.folders):   # it would count as two seeds
         raise ValueError(f"a run folder is given twice: {args.folders}")
-    if bad := [b for b in args.robust_budgets if b < 1]:
-        raise ValueError(f"--robust-budgets must be >= 1, got {bad[0]}")
+    cli.check_least(args, 1, ["robust_budgets"])
     device = pick_device(args.device)
     logs = [read_run(folder) for folder in args.folders]
     plans = [robust_plan(folder, evals[-1]["step"], args.robust_budgets)
@@ -388,14 +384,10 @@ def kept_fractions(model, tokenizer, prompt, sparse, max_new_tokens):
 
 def keeps(args):
     """Draw, for one held-out prompt of the warm-up's task, which positions each policy keeps at each step."""
-    made = Path(args.model, "warmup.json")
-    if not made.is_file():
-        raise ValueError(("no such folder" if not Path(args.model).is_dir() else "no warmup.json in") +
-                         f" {args.model!r}: pass --model out/warmup (`python train.py` makes it)")
-    settings = toy_settings(made, needs=("task", "digits", "seed"))
+    settings = toy_settings(args.model, files=("warmup.json",), needs=("task", "digits", "seed"))
     run = TOY_TASKS[settings["task"]]
-    if (args.budget is not None and args.budget < 1) or args.example < 0:
-        raise ValueError(f"--budget must be >= 1 and --example >= 0, got {args.budget} and {args.example}")
+    cli.check_least(args, 1, ["budget"])
+    cli.check_least(args, 0, ["example"])
     budget = args.budget or run["budget"]
     configs = [SparseConfig(p, budget, run["interval"], run["window"], run["sink"]) for p in args.policies]
     examples = held_out_examples(settings["task"], 256, settings["seed"], *settings["digits"])   # train.py's held-out
@@ -450,13 +442,9 @@ def main(argv=None):
     args = parse_args(argv)
     start = time.time()
     try:
-        for name, value in vars(args).items():     # a path of '': the current folder (--out), or none (--adapter)
-            if value == "":
-                raise ValueError(f"--{name.replace('_', '-')} is empty: give a file or folder name")
-        if args.command == "keeps" and Path(args.out).is_dir():       # else silently <folder>.png beside it
-            raise ValueError(f"--out {args.out!r} is a folder; give a file name (a .png)")
-        if getattr(args, "out", None):                                 # a bad --out, found before the work
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        cli.check_values(args)
+        if getattr(args, "out", None):                                 # keeps' PNG, or the PREFIX of runs' files
+            cli.check_out_file(args.out, "a file name" + (" (a .png)" if args.command == "keeps" else " prefix"))
         table = dict(inference=inference, runs=runs, keeps=keeps)[args.command](args)
     except (ValueError, OSError) as error:
         sys.exit(f"error: {error}")

@@ -27,6 +27,7 @@ import torch
 
 import distill
 import tasks
+from cli import check_least, check_out_file, check_values
 from correction import acceptance, dense_logprobs  # alpha = sum_v min(p_a, p_b) (section 4)
 from kvcache import DENSE, POLICIES, SparseConfig
 from models import DTYPES, autocast, load_pretrained, pick_device, toy_settings
@@ -422,60 +423,50 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not (args.calibrate or args.speedup):
         p.error("give --calibrate and/or --speedup SCHEDULE.json")
+    try:
+        check_args(args)
+    except ValueError as error:
+        p.error(str(error))
+    return args, p
+
+
+def check_args(args):
+    """Every bad value one clear ValueError, before any model loads; reads the --speedup schedule (`args.schedule`),
+    the warm-up's settings (`args.warmup`, filling in the flags not given) and the sampler's (`args.sparse`)."""
+    check_values(args)
+    check_least(args, 1, ["prompts", "context", "batch", "bin_size", "interval", "window", "max_new_tokens",
+                          "page_size"])
+    check_least(args, 0, ["sink", "dense_layers"])                    # None: as train.py sets it
     if not 0.0 <= args.threshold <= 1.0:
-        p.error(f"--threshold must lie in [0, 1], got {args.threshold}")
-    for name in ("prompts", "context", "batch", "bin_size", "interval", "window", "max_new_tokens", "page_size",
-                 "sink", "dense_layers"):                              # None: as train.py sets it
-        least, value = (0 if name in ("sink", "dense_layers") else 1), getattr(args, name)
-        if value is not None and value < least:
-            p.error(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
-        if value is not None and value >= 2 ** 31:                    # else torch overflows, after the model loads
-            p.error(f"--{name.replace('_', '-')} must be < 2**31, got {value}")
+        raise ValueError(f"--threshold must lie in [0, 1], got {args.threshold}")
     if args.context > 2 ** 20:         # --speedup sums every 64th decode step's cost: 10 s at 2**20, days at 10**11
-        p.error(f"--context must be at most 2**20 = 1048576 tokens, got {args.context}")
+        raise ValueError(f"--context must be at most 2**20 = 1048576 tokens, got {args.context}")
     args.schedule = None                                               # the --speedup schedule, read once
     if args.speedup and not (args.calibrate and Path(args.speedup) == Path(args.out)):   # else: what it writes
-        try:
-            args.schedule = Schedule.load(args.speedup)                # a bad file, named before a calibration
-        except ValueError as error:
-            p.error(str(error))
-    if args.calibrate:
-        try:
-            args.candidates = sorted({int(c) for c in args.candidates.split(",")})
-        except ValueError:
-            p.error(f"--candidates must be comma-separated integers, got {args.candidates!r}")
-        if args.candidates[-1] > DENSE:
-            p.error(f"--candidates must be at most 2**40 (DENSE), got {args.candidates[-1]}")
-        made = [f for f in (Path(args.model, "warmup.json"), Path(args.model, "args.json")) if f.is_file()]
-        if not Path(args.model).is_dir():
-            p.error(f"--model {args.model!r}: no such folder; run `python train.py` first (it makes out/warmup)")
-        if not made:
-            p.error(f"no toy warm-up or checkpoint in {args.model!r} (no warmup.json, no args.json): run "
-                    "`python train.py` first (it makes out/warmup), or pass --model")
-        try:
-            args.warmup = toy_settings(made[0])
-        except ValueError as error:
-            p.error(str(error))
-        if args.warmup.get("model"):
-            p.error(f"{args.model!r} was trained from --model {args.warmup['model']}: --calibrate takes the toy "
-                    "warm-up or a toy run's checkpoint (its prompts are the toy task's)")
-        for name, value in tasks.TOY_TASKS[args.warmup["task"]].items():     # the run's settings where none given
-            if getattr(args, name, 0) is None:
-                setattr(args, name, value)
-        if args.adapter is not None and not Path(args.adapter).is_file():   # '' too: not silently no adapter
-            p.error(f"--adapter {args.adapter!r}: no such file")
-        if Path(args.out).is_dir():
-            p.error(f"--out {args.out!r} is a folder; give a file name")
-        try:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)   # a bad --out, found before the work
-        except OSError as error:
-            p.error(f"--out {args.out!r}: {error}")
-        try:   # the sampler's settings, with the smallest candidate as its budget
-            args.sparse = SparseConfig(args.policy, args.candidates[0], interval=args.interval, window=args.window,
-                                       sink=args.sink, page_size=args.page_size, dense_layers=args.dense_layers)
-        except ValueError as error:
-            p.error(f"{error} (the budget: the smallest of --candidates)")
-    return args, p
+        args.schedule = Schedule.load(args.speedup)                    # a bad file, named before a calibration
+    if not args.calibrate:
+        return
+    try:
+        args.candidates = sorted({int(c) for c in args.candidates.split(",")})
+    except ValueError:
+        raise ValueError(f"--candidates must be comma-separated integers, got {args.candidates!r}") from None
+    if args.candidates[-1] > DENSE:
+        raise ValueError(f"--candidates must be at most 2**40 (DENSE), got {args.candidates[-1]}")
+    args.warmup = toy_settings(args.model)
+    if args.warmup.get("model"):
+        raise ValueError(f"{args.model!r} was trained from --model {args.warmup['model']}: --calibrate takes the toy "
+                         "warm-up or a toy run's checkpoint (its prompts are the toy task's)")
+    for name, value in tasks.TOY_TASKS[args.warmup["task"]].items():     # the run's settings where none given
+        if getattr(args, name, 0) is None:
+            setattr(args, name, value)
+    if args.adapter is not None and not Path(args.adapter).is_file():
+        raise ValueError(f"--adapter {args.adapter!r}: no such file")
+    check_out_file(args.out)
+    try:   # the sampler's settings, with the smallest candidate as its budget
+        args.sparse = SparseConfig(args.policy, args.candidates[0], interval=args.interval, window=args.window,
+                                   sink=args.sink, page_size=args.page_size, dense_layers=args.dense_layers)
+    except ValueError as error:
+        raise ValueError(f"{error} (the budget: the smallest of --candidates)") from None
 
 
 def print_calibration(args, p):

@@ -360,6 +360,7 @@ def print_step_times(model, prompts, args):
 def main(argv=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from cli import check_least, check_values
     from models import pick_device
     from sampler import clock, generate
     p = argparse.ArgumentParser(description="tokens/s of the eager and the static decode path, side by side",
@@ -385,19 +386,14 @@ def main(argv=None):
                    help="only time every eager decode step (synchronised), policies interleaved for --rounds rounds: "
                         "the steady step and the compressing steps per policy")
     args = p.parse_args(argv)
-    for name in ("batch", "prompt", "new", "budget", "interval", "rounds"):    # checked before a model is built
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.profile < 0:
-        p.error(f"--profile must be >= 0 (0: no profile), got {args.profile}")
-    for name in ("batch", "prompt", "new", "rounds", "profile"):      # else an OverflowError as the model is built
-        if getattr(args, name) >= 2 ** 31:
-            p.error(f"--{name} must be < 2**31, got {getattr(args, name)}")
     given = [f"--{name.replace('_', '-')}" for name in ("count_ops", "step_times", "hf", "profile")
              if getattr(args, name)]
     if (args.count_ops or args.step_times) and len(given) > 1:        # else all but one silently dropped
         p.error(f"--count-ops and --step-times are runs of their own, each alone: got {' '.join(given)}")
-    try:
+    try:                                                              # every check before a model is built
+        check_values(args)
+        check_least(args, 1, ["batch", "prompt", "new", "budget", "interval", "rounds"])
+        check_least(args, 0, ["profile"])
         device = pick_device(args.device)
         for policy in args.policies.split(","):
             SparseConfig(policy, budget=args.budget, interval=args.interval)

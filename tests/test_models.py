@@ -302,10 +302,23 @@ def test_toy_settings_names_a_file_that_holds_no_toy_run(tmp_path, text, message
     # the one reader of warmup.json / args.json for schedule.py --calibrate and report.py keeps: each was a traceback
     (tmp_path / "s.json").write_text(text)
     with pytest.raises(ValueError, match=message):
-        models.toy_settings(tmp_path / "s.json")
+        models.toy_settings(tmp_path, files=("s.json",))
 
 
-def test_toy_settings_returns_what_train_py_wrote(tmp_path):
-    (tmp_path / "s.json").write_text('{"task": "sort", "digits": [12, 20], "seed": 3, "budget": 24}')
-    assert models.toy_settings(tmp_path / "s.json", needs=("task", "digits", "seed")) == dict(
+def test_toy_settings_names_a_folder_with_none_of_its_files(tmp_path):
+    with pytest.raises(ValueError, match=f"^--model '{tmp_path / 'x'}': no such folder; run `python train.py` first"):
+        models.toy_settings(tmp_path / "x")
+    (tmp_path / "s.json").write_text("{}")                             # a file of another name is not read
+    with pytest.raises(ValueError, match=f"^--model '{tmp_path}' holds no warmup.json or args.json: give the folder "
+                                         "of a toy warm-up or run \\(`python train.py` makes out/warmup\\)$"):
+        models.toy_settings(tmp_path)
+    with pytest.raises(ValueError, match="holds no warmup.json: give the folder of a toy warm-up \\("):
+        models.toy_settings(tmp_path, files=("warmup.json",))
+
+
+def test_toy_settings_returns_what_train_py_wrote_reading_its_first_file(tmp_path):
+    (tmp_path / "warmup.json").write_text('{"task": "sort", "digits": [12, 20], "seed": 3, "budget": 24}')
+    (tmp_path / "args.json").write_text('{"task": "pick", "digits": [3, 6]}')
+    assert models.toy_settings(tmp_path, needs=("task", "digits", "seed")) == dict(
         task="sort", digits=[12, 20], seed=3, budget=24)
+    assert models.toy_settings(tmp_path, files=("args.json", "warmup.json"))["task"] == "pick"

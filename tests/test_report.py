@@ -192,8 +192,8 @@ def test_a_run_whose_data_file_is_gone_is_named_before_any_model_is_loaded(tmp_p
 
 @pytest.mark.parametrize("argv, message", [
     (["inference", "--adapter", "no-such.safetensors"], "--adapter 'no-such.safetensors': no such file"),
-    (["keeps", "--budget", "0"], "--budget must be >= 1 and --example >= 0, got 0 and 0"),
-    (["keeps", "--example", "-1"], "--budget must be >= 1 and --example >= 0, got None and -1"),
+    (["keeps", "--budget", "0"], "--budget must be >= 1, got 0$"),
+    (["keeps", "--example", "-1"], "--example must be >= 0, got -1$"),
     (["inference", "--adapter", ""], "--adapter is empty: give a file or folder name"),   # was: no adapter, silently
     (["keeps", "--out", ""], "--out is empty: give a file or folder name"),              # was: ./.png
     (["keeps", "--out", "."], "--out '.' is a folder; give a file name \\(a .png\\)"),      # was: ./..png
@@ -209,9 +209,13 @@ def test_inference_and_keeps_refuse_bad_flags_before_loading(tmp_path, monkeypat
         report.main(argv + ["--model", str(tmp_path)] + where)
 
 
-def test_runs_refuses_an_empty_out_prefix():
+def test_runs_refuses_an_empty_or_folder_out_prefix(tmp_path):
     with pytest.raises(SystemExit, match="^error: --out is empty: give a file or folder name$"):   # was: ./.md
         report.main(["runs", "no-such-run", "--out", ""])
+    for out in (str(tmp_path), f"{tmp_path}/new/"):                   # was: <folder>.md beside it, <folder>/new/.md
+        with pytest.raises(SystemExit, match="is a folder; give a file name prefix$"):
+            report.main(["runs", "no-such-run", "--out", out])
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("text, message", [                        # models.toy_settings' cases: tests/test_models.py
@@ -227,9 +231,11 @@ def test_keeps_names_a_warmup_json_that_holds_no_warm_up(tmp_path, monkeypatch, 
 
 def test_keeps_without_a_warm_up_names_the_folder_and_the_one_to_pass(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
-    with pytest.raises(SystemExit, match=f"^error: no warmup.json in '{tmp_path}': pass --model out/warmup"):
+    (tmp_path / "args.json").write_text('{"task": "pick", "digits": [3, 6], "seed": 0}')   # a run's: no warm-up
+    with pytest.raises(SystemExit, match=f"^error: --model '{tmp_path}' holds no warmup.json: give the folder of a "
+                                         "toy warm-up \\(`python train.py` makes out/warmup\\)$"):
         report.main(["keeps", "--model", str(tmp_path)])
-    with pytest.raises(SystemExit, match=f"^error: no such folder '{tmp_path / 'x'}': pass --model out/warmup"):
+    with pytest.raises(SystemExit, match=f"^error: --model '{tmp_path / 'x'}': no such folder; run `python train.py`"):
         report.main(["keeps", "--model", str(tmp_path / "x")])
 
 
