@@ -37,6 +37,7 @@ from kvcache import SparseConfig
 from models import load_pretrained
 from report import markdown, pyplot
 from sampler import clock, generate
+from schedule import cost
 
 FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, batch=8, prompt=256, new=2048,
             long_new=4096, budget=256, interval=128, repeats=3, long_repeats=1, contexts=(512, 1024, 2048, 4096),
@@ -272,20 +273,18 @@ def overheads(model, ids, results, s, repeats=50):
 def limit(s, dense, repeats=5):
     """Section 5: measured mm FLOP/s and copy bandwidth, and our dense decode's share of each.
 
-    FLOPs are counted as 2 per multiply-add of the matrix products only: 2 * (weights of every linear layer, the
-    output layer included) per token, plus 4 * layers * heads * head_dim * context per token for attention (q.k
-    and p.v). Norms, rotary, softmax and sampling are not counted. Bytes: every step reads all linear weights once
-    and the whole KV cache once."""
-    n, L, H, D, B = s["mm"], s["layers"], s["heads"], s["hidden"] // s["heads"], s["batch"]
+    FLOPs and bytes are the cost model's (`schedule.cost`, section 6), summed over the rollout: 2 FLOPs per
+    multiply-add of the matrix products only (every linear layer's weights, the output layer included, and q.k and
+    p.v over the context); norms, rotary, softmax and sampling are not counted. Bytes: every pass (the prefill,
+    then each decode step) reads all linear weights once and the whole KV cache once, in fp32."""
+    n, B, config = s["mm"], s["batch"], {field: s[ours] for ours, field in HF_FIELDS.items()}
     a, b = torch.randn(n, n), torch.randn(n, n)
-    linear = L * (2 * s["hidden"] ** 2 + 2 * s["hidden"] * s["kv_heads"] * D + 3 * s["hidden"] * s["ffn"])
-    linear += s["hidden"] * s["vocab"]
     fed = s["prompt"] + s["new"] - 1                       # every token but the last passes the model once
-    flops = B * (2 * linear * fed + 4 * L * H * D * fed * (fed + 1) / 2)
-    traffic = s["new"] * 4 * linear + sum(kv_formula(s, c) for c in range(s["prompt"], fed + 1))
+    flops = sum(cost(config, c, batch=B)["flops"] for c in range(1, fed + 1))   # token by token: causal attention
+    traffic = sum(cost(config, c, batch=B, bytes_per=4)["bytes"] for c in range(s["prompt"], fed + 1))
     return dict(mm_flops=rate(2 * n ** 3, lambda: torch.mm(a, b), repeats=repeats),
                 copy_bytes_per_s=copy_bandwidth(32 * n * n, repeats=repeats),
-                decode_flops=flops / dense["seconds"], flops_per_token=2 * linear + 4 * L * H * D * (fed + 1) / 2,
+                decode_flops=flops / dense["seconds"], flops_per_token=flops / (B * fed),
                 decode_bytes_per_s=traffic / dense["seconds"])
 
 

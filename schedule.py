@@ -105,8 +105,11 @@ piecewise = Schedule   # Sparrow's schedule under its name in the paper: `budget
 
 # ----------------------------------------------------------------------------- measuring the tail
 
-def check_bins(bin_size, q):
-    """A ValueError naming the bad value unless bin_size is a positive integer and the quantile q lies in [0, 1]."""
+def check_bins(bin_size, q, threshold=0.0):
+    """A ValueError naming the bad value unless bin_size is a positive integer and the quantile q and the tail's
+    threshold lie in [0, 1]."""
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"q must lie in [0, 1], got {q}")
     if not isinstance(bin_size, int) or bin_size < 1:
@@ -248,9 +251,7 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
     plus `profile`: the tail the bin had at each candidate budget held constant (nan: no token).
     `sampling`: temperature, eos_token_id, pad_token_id, seed (as `sampler.generate`), adapter (`measure`).
     """
-    if not 0.0 <= threshold <= 1.0:
-        raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
-    check_bins(bin_size, q)                                            # before the first generation
+    check_bins(bin_size, q, threshold)                                 # before the first generation
     options = sorted(set(candidates)) + [None]                         # None: dense
     tails = [tail_by_bin(*measure(model, prompts, replace(sparse, budget=c, schedule=None), max_new_tokens,
                                   **sampling), bin_size, q)[0] for c in options[:-1]]
@@ -294,13 +295,11 @@ class Controller:
 
     def __init__(self, threshold=THRESHOLD, bin_size=16, bins=8, start=64, low=16, high=HIGH,
                  step=8, up=1.5, band=0.03, min_tokens=20, q=0.05, interval=1, page_size=None):
-        if not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
         if not 1 <= low <= start <= high:
             raise ValueError(f"need 1 <= low <= start <= high, got {low}, {start}, {high}")
         if not (up > 1 and step >= 0 and band >= 0):
             raise ValueError(f"need up > 1, step >= 0 and band >= 0, got {up}, {step}, {band}")
-        check_bins(bin_size, q)
+        check_bins(bin_size, q, threshold)
         self.threshold, self.bin_size, self.low, self.high, self.interval = threshold, bin_size, low, high, interval
         self.page_size = page_size
         self.step, self.up, self.band, self.min_tokens, self.q = step, up, band, min_tokens, q
