@@ -406,9 +406,9 @@ def test_print_step_times_reports_every_rounds_steps_by_hand(monkeypatch, capsys
             return [0.040 * calls.count(("full", 22)) - 0.030] * 22, [False] * 22
         return [k / 1e3 for k in range(1, 21)] + [0.050, 0.070], [False] * 20 + [True] * 2
     monkeypatch.setattr(static, "step_times", timings)
-    args = argparse.Namespace(policies="full,snapkv", shape="bench", batch=2, prompt=6, new=22, budget=16, interval=4,
-                              rounds=2)
-    static.print_step_times(type("M", (), dict(dtype=torch.float32, device="cpu"))(), [[1, 2]], args)
+    args = argparse.Namespace(shape="bench", batch=2, prompt=6, new=22, budget=16, interval=4, rounds=2)
+    sparse = {p: SparseConfig(p, budget=16, interval=4) for p in ("full", "snapkv")}
+    static.print_step_times(type("M", (), dict(dtype=torch.float32, device="cpu"))(), [[1, 2]], sparse, args)
     out = capsys.readouterr().out
     assert calls == [("full", 8), ("snapkv", 8)] + [("full", 22), ("snapkv", 22)] * 2
     assert ("      full: mean step  30.00 (1.00x full's) = steady median  30.00 (1.00x) + compressions  0.00 (0 steps, "
