@@ -71,13 +71,10 @@ class SparseConfig:
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; allowed: {', '.join(POLICIES)}")
-        for name in ("budget", "interval", "window", "kernel", "page_size"):
+        for name, least in dict(budget=1, interval=1, window=1, kernel=1, page_size=1, sink=0, dense_layers=0).items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("sink", "dense_layers"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be a {'positive' if least else 'non-negative'} integer, got {value!r}")
         for name in ("budget", "interval", "window", "sink", "page_size"):
             if getattr(self, name) > DENSE:
                 raise ValueError(f"{name} must be at most 2**40 (DENSE: never evicts), got {getattr(self, name)}")
