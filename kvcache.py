@@ -284,8 +284,8 @@ class KVCache(Cache):
 
     The caller announces each forward pass with `start_step(positions)`; the model then calls
     `update` (store the new keys and values) and our attention hook calls `attend` (compress
-    if due, then attend) once per layer. Stats: `kv_tokens`, `peak_kv_tokens`, `kv_bytes`,
-    `peak_kv_bytes`, `dense_kv_tokens` (what a full cache would hold), `compressions`.
+    if due, then attend) once per layer. Stats: `kv_tokens`, `peak_kv_tokens`, `peak_kv_bytes`,
+    `dense_kv_tokens` (what a full cache would hold), `compressions`.
     With `record=True`, `history[layer][step]` holds the kept positions [B, H_kv, S] each step
     attended over (tests rebuild the same attention from it with a dense masked pass), and
     `attended_tokens`, per decode step, the tokens attended per layer, row and KV head (mean), counted
@@ -401,9 +401,8 @@ class KVCache(Cache):
     def get_seq_length(self, layer_idx=0):
         return self.layers[layer_idx].size if layer_idx < len(self.layers) else 0
 
-    # slots currently held per layer and KV head, and the byte counts of the token counts
+    # slots currently held per layer and KV head; the peak and dense token counts in bytes
     kv_tokens = property(lambda self: self.layers[0].size if self.layers else 0)
-    kv_bytes = property(lambda self: self.kv_tokens * self.bytes_per_slot)
     peak_kv_bytes = property(lambda self: self.peak_kv_tokens * self.bytes_per_slot)
     dense_kv_bytes = property(lambda self: self.dense_kv_tokens * self.bytes_per_slot)
 
