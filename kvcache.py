@@ -127,7 +127,7 @@ class Layer:
         self.pos_buf = torch.full((B, H, capacity), -1, dtype=torch.long, device=like.device)
         self.acc_buf = torch.zeros(B, H, capacity, dtype=torch.float32, device=like.device) if accumulate else None
         self.queries, self.query_pos, self.ring = None, None, 0
-        self.size, self.scaling, self.holes = 0, None, False   # scaling: set by the hook
+        self.size, self.holes = 0, False
         self.page_size = page_size
         if page_size:   # positions < capacity, so capacity // page_size + 1 pages always suffice
             self.page_sum = torch.zeros(B, H, capacity // page_size + 1, D, dtype=torch.float32, device=like.device)
@@ -198,17 +198,18 @@ class Layer:
 
 # ----------------------------------------------------------------------------- compression
 
-def compress(layer, sparse, rows, salt, count, n):
+def compress(layer, sparse, rows, salt, count, n, scaling):
     """Score the slots of the `rows` [b] that are due with the policy, and keep `count` [B] tokens in every
     row (n = max count, a host int): the due rows their best, padding first out and the `window` always
     in; the others all their tokens. Only the due rows are scored: rows fall due on different steps.
-    `salt` [b]: the due rows' (seed, layer, context), for `random`. Tensors on the cache's device."""
+    `salt` [b]: the due rows' (seed, layer, context), for `random`. Tensors on the cache's device.
+    `scaling`: the layer's attention scale, for SnapKV's and R-KV's window logits."""
     valid = layer.pos >= 0
     scores = torch.where(valid, float("inf"), float("-inf"))
     remembered, acc = layer.queries is not None, layer.acc      # queries: SnapKV and R-KV only; acc: H2O only
     due = Rows(layer.keys[rows], layer.pos[rows], None if acc is None else acc[rows],
                layer.queries[rows] if remembered else None, layer.query_pos[rows] if remembered else None,
-               layer.scaling, salt)
+               scaling, salt)
     recent = due.pos > due.pos.amax(-1, keepdim=True) - sparse.window
     with torch.autocast(valid.device.type, enabled=False):   # fp32 scores: bf16 autocast would round them into ties
         scores[rows] = SCORERS[sparse.policy](due, sparse).float().masked_fill(recent, float("inf")).masked_fill(
@@ -373,14 +374,13 @@ class KVCache(Cache):
     def attend(self, layer_idx, query, scaling, sliding_window=None):
         """Called by the hook: compress if due, then attend. query [B, H, q, D] -> [B, H, q, D]."""
         layer, sparse = self.layers[layer_idx], self.sparse
-        layer.scaling = scaling
         if self.remembering:
             layer.remember(query, self.step_pos, sparse.window)
         elif layer.queries is not None:   # the ring still turns (a host int), so a compression finds its queries
             layer.ring = (layer.ring + 1) % sparse.window   # in the slots every-step writing (static.py) gives them
         if self.compressing:
             rows, salt, count = self.compress_args
-            compress(layer, sparse, rows, salt + layer_idx * 65_537, count, self.keep_n)
+            compress(layer, sparse, rows, salt + layer_idx * 65_537, count, self.keep_n, scaling)
             layer.holes = self.holes_after
         # A decode step over real earlier tokens only sees every slot: no mask to build or apply.
         masked = not self.decoding or layer.holes or sliding_window is not None
