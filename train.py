@@ -56,23 +56,22 @@ from tasks import (ALPHABET, char_tokenizer, encode_prompt, held_out_examples, l
 def sparse_config(args, policy=None, budget=None, longest_prompt=0):
     """The rollout cache: a fixed --budget, a calibrated --schedule, or an online --controller whose bins
     cover `longest_prompt` + --max-new-tokens (`policy` and `budget` given: that fixed cache, for an evaluation)."""
-    if policy is None and args.schedule:            # its budgets replace --budget, and each is checked instead
-        return SparseConfig(args.policy, args.budget, args.interval, args.window, args.sink, page_size=args.page_size,
-                            dense_layers=args.dense_layers, schedule=S.Schedule.load(args.schedule))
+    # a --schedule's budgets replace --budget, and each is checked instead
+    schedule = S.Schedule.load(args.schedule) if policy is None and args.schedule else None
     try:
-        fixed = SparseConfig(policy or args.policy, args.budget if budget is None else budget, args.interval,
-                             args.window, args.sink, page_size=args.page_size, dense_layers=args.dense_layers)
+        sparse = SparseConfig(policy or args.policy, args.budget if budget is None else budget, args.interval,
+                              args.window, args.sink, page_size=args.page_size, dense_layers=args.dense_layers,
+                              schedule=schedule)
     except ValueError as error:   # an evaluation's cache: name the flags that made it
         raise ValueError(f"the evaluation cache {policy} at budget {budget}: {error}" if policy else error) from None
-    if policy is not None:
-        return fixed
-    if args.controller is not None:
-        bins = S.bins_for(longest_prompt, args.max_new_tokens, args.bin_size)
-        return replace(fixed, schedule=S.Controller(args.controller, args.bin_size, bins, start=args.budget,
-                                                    low=fixed.min_budget, high=max(S.HIGH, args.budget),
-                                                    step=max(1, args.budget // 8),
-                                                    interval=args.interval, page_size=fixed.pages))
-    return fixed
+    if policy is not None or args.controller is None:
+        return sparse
+    # --controller: its lowest budget and its pages come from the checked cache, so it goes in after
+    bins = S.bins_for(longest_prompt, args.max_new_tokens, args.bin_size)
+    return replace(sparse, schedule=S.Controller(args.controller, args.bin_size, bins, start=args.budget,
+                                                 low=sparse.min_budget, high=max(S.HIGH, args.budget),
+                                                 step=max(1, args.budget // 8),
+                                                 interval=args.interval, page_size=sparse.pages))
 
 
 # ----------------------------------------------------------------------------- model and data
