@@ -207,11 +207,15 @@ def late(s):
     return time.perf_counter() > s["stop_at"]
 
 
-def attempt(record, report, label, cells, measure):
+def attempt(record, report, label, cells, measure, s=None):
     """measure(), or None where it raises: the error (its traceback on stderr) goes into record["errors"] and
     its row (`cells`, then the error), and what it held is freed, so that one broken row costs only itself: the
     rows and tables after it and the targets are still measured, in the one device call a session has. A time
-    limit's SIGINT still ends the run."""
+    limit's SIGINT still ends the run. Given the settings `s`, a row past their deadline is written as skipped
+    instead, and None returned (table 2 checks the deadline once, before it builds its model, not per row)."""
+    if s is not None and late(s):
+        report.unmeasured(cells, "skipped: past the deadline")
+        return None
     try:
         return measure()
     except Exception as error:
@@ -251,11 +255,8 @@ def table_1(model, s, report, record, bandwidth, weights):
     for sampler, length, extra in ROWS:
         label, dense = row_label(sampler, extra), row_label("full", extra)   # captured rows: against dense captured
         stands = "any length" if length == "any" else f"{s['prompt']}+{s[length]}"
-        if late(s):
-            report.unmeasured([label, stands], "skipped: past the deadline")
-            continue
         r = attempt(record, report, f"table 1: {label} {length}", [label, stands],
-                    lambda: measure_row(model, s, sampler, length, extra, bandwidth, weights))
+                    lambda: measure_row(model, s, sampler, length, extra, bandwidth, weights), s)
         if r is None:
             continue
         rows[f"{label} {length}"] = r
@@ -304,19 +305,15 @@ def table_3(model, s, report, record):
     rollouts = Rollouts(ids[:, :s["prompt"]].tolist(), ids[:, s["prompt"]:], torch.ones(N, T, device=device), zeros,
                         zeros[..., None].expand(N, T, k), ids[:, s["prompt"]:, None].expand(N, T, k))
     for batch in s["rescore_batches"]:
-        if late(s):
-            report.unmeasured([batch], "skipped: past the deadline")
-            continue
-        log(f"table 3: re-scoring at micro-batch {batch}")
-        reset_peak(device)
-
         def rescore():   # running out of memory is a measurement here, not an error
+            log(f"table 3: re-scoring at micro-batch {batch}")
+            reset_peak(device)
             try:
                 seconds, _ = timed(lambda: dense_logprobs(model, rollouts, batch_size=batch, topk=True), device)
                 return seconds, peak_bytes(device)
             except torch.OutOfMemoryError:
                 return None, "out of memory"
-        measured = attempt(record, report, f"table 3: micro-batch {batch}", [batch], rescore)
+        measured = attempt(record, report, f"table 3: micro-batch {batch}", [batch], rescore, s)
         if measured is None:
             continue
         seconds, peak = measured
@@ -398,11 +395,8 @@ def table_4(model, s, report, record, bandwidth, weights):
                   "tokens/s at that batch", "vs dense", "of the bandwidth bound"])
     for sampler in ("full", LONG_POLICY):
         label = "ours full" if sampler == "full" else f"ours {sampler}, budget {budget}"
-        if late(s):
-            report.unmeasured([label], "skipped: past the deadline")
-            continue
         r = attempt(record, report, f"table 4: {label}", [label],
-                    lambda: measure_batch(model, s, sampler, steps, first + s["window"] / 2, bandwidth, weights))
+                    lambda: measure_batch(model, s, sampler, steps, first + s["window"] / 2, bandwidth, weights), s)
         if r is None:
             continue
         record["batch"][sampler] = r
