@@ -95,6 +95,11 @@ class SparseConfig:
         return self.page_size if self.policy == "blocktopk" else self.window + self.sink
 
     @property
+    def largest_budget(self):
+        """The most tokens a context keeps: the budget, or the largest of the schedule's (DENSE for a dense bin)."""
+        return self.budget if self.schedule is None else max(b or DENSE for b in self.schedule.budgets)
+
+    @property
     def pages(self):
         """Block top-k's page size; None for the eviction policies, which choose tokens, not pages."""
         return self.page_size if self.policy == "blocktopk" else None
@@ -354,8 +359,7 @@ class KVCache(Cache):
         total, sparse = prompt_len + self.max_new_tokens, self.sparse
         if sparse.policy in ("full", "blocktopk"):
             return total
-        budget = sparse.budget if sparse.schedule is None else max(b or DENSE for b in sparse.schedule.budgets)
-        return min(total, max(prompt_len + 1, budget + sparse.interval))
+        return min(total, max(prompt_len + 1, sparse.largest_budget + sparse.interval))
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Called by the model: store new keys and values [B, H_kv, q, D]; return the kept ones."""

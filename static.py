@@ -53,7 +53,7 @@ from unittest.mock import patch
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvcache import DENSE, POLICIES, KVCache, SparseConfig, attention
+from kvcache import POLICIES, KVCache, SparseConfig, attention
 from policies import RESERVED_PAGES, page_plan, top_pages
 
 # A step reads the held slots rounded up to a multiple of SPAN (or the whole buffer, if shorter): at 512 + 1536,
@@ -107,8 +107,7 @@ class StaticCache(KVCache):
             self.now = torch.zeros(B, 1, dtype=torch.long, device=device)
             self.pages = torch.zeros(B, dtype=torch.long, device=device)
             # blocktopk attends to at most the largest budget's pages + the reserved ones, of those that exist
-            budget = max([b or DENSE for b in sparse.schedule.budgets] if sparse.schedule else [sparse.budget])
-            self.k_pages = min(budget // sparse.page_size + RESERVED_PAGES,
+            self.k_pages = min(sparse.largest_budget // sparse.page_size + RESERVED_PAGES,
                                (first.pos_buf.shape[-1] - 1) // sparse.page_size + 1)
             if self.history is not None:
                 self.seen = [layer.pos_buf.new_full(self.seen_shape(i, layer), -1) for i, layer in enumerate(self.layers)]

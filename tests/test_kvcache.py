@@ -427,6 +427,11 @@ def test_buffers_hold_what_the_cache_can_reach_before_compressing():
     for policy in ("full", "blocktopk"):
         cache = KVCache(SparseConfig(policy, budget=16, page_size=16), 1, max_new_tokens=40)
         assert [cache.capacity(p) for p in (3, 20)] == [43, 60]
+    # under a schedule, its largest budget (8, then 12): 12 + 4; a dense bin: everything, prompt + 40
+    scheduled = SparseConfig("snapkv", interval=4, window=2, sink=2, schedule=Schedule((0, 16, 32), (8, 12, 10)))
+    assert KVCache(scheduled, 1, max_new_tokens=40).capacity(3) == 16
+    dense_bin = SparseConfig("snapkv", interval=4, window=2, sink=2, schedule=Schedule((0, 16), (8, None)))
+    assert KVCache(dense_bin, 1, max_new_tokens=40).capacity(3) == 43
     # a rollout's buffers are allocated once at that size and never grow: 13-token prompt, 40 new tokens
     sparse = SparseConfig("snapkv", budget=10, interval=4, window=2, sink=2)
     out = generate(tiny_model("llama"), [list(range(1, 14)), [3, 4, 5]], sparse, max_new_tokens=40, temperature=1.0,
