@@ -374,7 +374,9 @@ def cost(config, context, budget=None, batch=1, page_size=None, dense_layers=0, 
     if page_size and sparse:
         pages = -(-context // page_size)
         flops += batch * sparse * 2 * n_kv * d * pages                # group-mean query . mean key
-        data += bytes_per * batch * sparse * n_kv * d * pages         # the mean keys are read
+        # the mean keys are read, priced at `bytes_per` like the keys; our KVCache keeps them as fp32 page sums,
+        # twice these bytes in bf16 (bench_gpu.kv_read_bytes counts ours)
+        data += bytes_per * batch * sparse * n_kv * d * pages
     return dict(flops=flops, bytes=data, cost=flops + intensity * data)
 
 
