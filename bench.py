@@ -418,7 +418,7 @@ def main(argv=None):
         parser.error(f"--deadline goes with --gpu and must be >= 0, got {args.deadline}"
                      + ("" if args.gpu else " without --gpu"))
     try:                                                              # now, not after the bench
-        check_values(args)
+        check_values(args, unchecked=("deadline",))                   # --deadline inf: no deadline
         check_least(args, 1, ["repeats"])
         check_out_file(args.out or "results/bench.json")              # every default lies in results/; --gpu's too
     except ValueError as error:

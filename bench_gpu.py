@@ -207,13 +207,13 @@ def late(s):
     return time.perf_counter() > s["stop_at"]
 
 
-def attempt(record, report, label, cells, measure, s=None):
+def attempt(record, report, label, cells, measure, settings=None):
     """measure(), or None where it raises: the error (its traceback on stderr) goes into record["errors"] and
     its row (`cells`, then the error), and what it held is freed, so that one broken row costs only itself: the
     rows and tables after it and the targets are still measured, in the one device call a session has. A time
-    limit's SIGINT still ends the run. Given the settings `s`, a row past their deadline is written as skipped
+    limit's SIGINT still ends the run. Given `settings`, a row past their deadline is written as skipped
     instead, and None returned (table 2 checks the deadline once, before it builds its model, not per row)."""
-    if s is not None and late(s):
+    if settings is not None and late(settings):
         report.unmeasured(cells, "skipped: past the deadline")
         return None
     try:
@@ -256,7 +256,7 @@ def table_1(model, s, report, record, bandwidth, weights):
         label, dense = row_label(sampler, extra), row_label("full", extra)   # captured rows: against dense captured
         stands = "any length" if length == "any" else f"{s['prompt']}+{s[length]}"
         r = attempt(record, report, f"table 1: {label} {length}", [label, stands],
-                    lambda: measure_row(model, s, sampler, length, extra, bandwidth, weights), s)
+                    lambda: measure_row(model, s, sampler, length, extra, bandwidth, weights), settings=s)
         if r is None:
             continue
         rows[f"{label} {length}"] = r
@@ -313,7 +313,7 @@ def table_3(model, s, report, record):
                 return seconds, peak_bytes(device)
             except torch.OutOfMemoryError:
                 return None, "out of memory"
-        measured = attempt(record, report, f"table 3: micro-batch {batch}", [batch], rescore, s)
+        measured = attempt(record, report, f"table 3: micro-batch {batch}", [batch], rescore, settings=s)
         if measured is None:
             continue
         seconds, peak = measured
@@ -396,7 +396,8 @@ def table_4(model, s, report, record, bandwidth, weights):
     for sampler in ("full", LONG_POLICY):
         label = "ours full" if sampler == "full" else f"ours {sampler}, budget {budget}"
         r = attempt(record, report, f"table 4: {label}", [label],
-                    lambda: measure_batch(model, s, sampler, steps, first + s["window"] / 2, bandwidth, weights), s)
+                    lambda: measure_batch(model, s, sampler, steps, first + s["window"] / 2, bandwidth, weights),
+                    settings=s)
         if r is None:
             continue
         record["batch"][sampler] = r

@@ -198,30 +198,34 @@ def parse_args(argv=None, description=TRAIN_HELP, hide=()):
 def check_values(args, unchecked=("seed",)):
     """What every script's flags need, whatever they mean: a ValueError naming the first bad one. nan passes every
     `< 0` check; an integer of 2**31 or more overflows in torch, a traceback after the model loads (`unchecked`:
-    flags with a range of their own); a path of '' is the current folder, or silently none."""
+    flags with a range of their own, such as a budget, which may be DENSE = 2**40, or seeds); a path of '' is the
+    current folder, or silently none."""
     for name, value in vars(args).items():
         for x in value if isinstance(value, list) else [value]:
-            if isinstance(x, float) and not math.isfinite(x):
+            if isinstance(x, float) and not math.isfinite(x) and name not in unchecked:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {x}")
             if isinstance(x, int) and x >= 2 ** 31 and name not in unchecked:
                 raise ValueError(f"--{name.replace('_', '-')} must be < 2**31, got {x}")
             if x == "":
-                raise ValueError(f"--{name.replace('_', '-')} is empty: give a file or folder name")
+                raise ValueError(f"--{name.replace('_', '-')} is empty: give a value, or leave the flag out")
 
 
-def check_least(args, least, names):
-    """A ValueError naming the first of the flags `names` below `least` (a list: each value; None: left out)."""
+def check_least(args, least, names, notes=None):
+    """A ValueError naming the first of the flags `names` below `least` (a list: each value; None: left out), with
+    its note from `notes` {name: what a value means} if any."""
     for name in names:
         value = getattr(args, name)
         for x in value if isinstance(value, list) else [value]:
             if x is not None and x < least:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {x}")
+                note = f" ({notes[name]})" if name in (notes or {}) else ""
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {least}{note}, got {x}")
 
 
-def check_out_file(path, what="a file name"):
-    """A file to write: a ValueError if `path` is a folder (else a file beside it, or a crash after the work), or its
+def check_out_file(path, what="a file name", prefix=False):
+    """A file to write, or with `prefix` the start of the names of files to write (PREFIX.md beside a folder PREFIX
+    is fine): a ValueError if `path` names a folder (else a file beside it, or a crash after the work), or its
     folder cannot be made, which is made now, before the work."""
-    if Path(path).is_dir() or path.endswith(("/", os.sep)):
+    if path.endswith(("/", os.sep)) or (Path(path).is_dir() and not prefix):
         raise ValueError(f"--out {path!r} is a folder; give {what}")
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -233,7 +237,8 @@ def check_args(args):
     """Every bad value is one clear error line, before any model is built."""
     check_values(args)
     check_least(args, 1, ["budget", "interval", "window", "bin_size", "max_new_tokens", "prompts", "ppo_epochs",
-                          "micro_batch", "eval_every", "eval_size", "save_every", "lora_rank", "threads", "minibatch"])
+                          "micro_batch", "eval_every", "eval_size", "save_every", "lora_rank", "threads", "minibatch"],
+                notes=dict(threads="or left out: chosen by model size", minibatch="or left out: all rollouts"))
     check_least(args, 0, ["steps", "warmup_steps", "veto", "kl", "temperature", "seed", "distill_lambda"])
     for name in ["lr", "clip", "cap", "lora_lr_scale"]:
         if not getattr(args, name) > 0:

@@ -442,9 +442,11 @@ def main(argv=None):
     args = parse_args(argv)
     start = time.time()
     try:
-        cli.check_values(args)
-        if getattr(args, "out", None):                                 # keeps' PNG, or the PREFIX of runs' files
-            cli.check_out_file(args.out, "a file name" + (" (a .png)" if args.command == "keeps" else " prefix"))
+        cli.check_values(args, unchecked=("limit", "budgets", "robust_budgets", "budget"))   # any size: all
+        if args.command == "keeps":
+            cli.check_out_file(args.out, "a file name (a .png)")
+        if args.command == "runs":                                     # PREFIX.md beside a folder PREFIX is fine
+            cli.check_out_file(args.out, "a file name prefix", prefix=True)
         table = dict(inference=inference, runs=runs, keeps=keeps)[args.command](args)
     except (ValueError, OSError) as error:
         sys.exit(f"error: {error}")

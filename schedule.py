@@ -105,10 +105,10 @@ piecewise = Schedule   # Sparrow's schedule under its name in the paper: `budget
 
 # ----------------------------------------------------------------------------- measuring the tail
 
-def check_bins(bin_size, q, threshold=0.0):
+def check_bins(bin_size, q, threshold=None):
     """A ValueError naming the bad value unless bin_size is a positive integer and the quantile q and the tail's
-    threshold lie in [0, 1]."""
-    if not 0.0 <= threshold <= 1.0:
+    threshold (if given) lie in [0, 1]."""
+    if threshold is not None and not 0.0 <= threshold <= 1.0:
         raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"q must lie in [0, 1], got {q}")

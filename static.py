@@ -322,22 +322,22 @@ class GCClock:
             self.full += info["generation"] == 2
 
 
-def print_step_times(model, prompts, sparse, args):
-    """`--step-times`: each policy's eager rollouts (`sparse`: {policy: SparseConfig}), the policies taking turns round
-    after round (so that no policy always runs first or last), every decode step timed (`step_times`); per policy the
-    median steady step, the compressing steps, the mean step split as `split_mean` does, and the garbage
+def print_step_times(model, prompts, configs, args):
+    """`--step-times`: each policy's eager rollouts (`configs`: {policy: SparseConfig}), the policies taking turns
+    round after round (so that no policy always runs first or last), every decode step timed (`step_times`); per
+    policy the median steady step, the compressing steps, the mean step split as `split_mean` does, and the garbage
     collector's share."""
-    policies = list(sparse)
+    policies = list(configs)
     print(f"{args.shape}, {model.dtype}, {model.device}, batch {args.batch}, prompt {args.prompt} + {args.new} new, "
           f"budget {args.budget}, interval {args.interval}; eager decode steps in ms, {args.rounds} rounds interleaved")
     seconds, compressing = {p: [] for p in policies}, {p: [] for p in policies}
     collector = {p: GCClock() for p in policies}
     for p in policies:                                                  # warm-up
-        step_times(model, prompts, sparse[p], 8)
+        step_times(model, prompts, configs[p], 8)
     for _ in range(args.rounds):
         for p in policies:
             with collector[p]:
-                s, c = step_times(model, prompts, sparse[p], args.new)
+                s, c = step_times(model, prompts, configs[p], args.new)
             seconds[p] += s
             compressing[p] += c
     first = policies[0]
@@ -388,12 +388,12 @@ def main(argv=None):
     if (args.count_ops or args.step_times) and len(given) > 1:        # else all but one silently dropped
         p.error(f"--count-ops and --step-times are runs of their own, each alone: got {' '.join(given)}")
     try:                                                              # every check before a model is built
-        check_values(args)
+        check_values(args, unchecked=("budget", "interval"))          # SparseConfig's: up to DENSE, never evicts
         check_least(args, 1, ["batch", "prompt", "new", "budget", "interval", "rounds"])
-        check_least(args, 0, ["profile"])
+        check_least(args, 0, ["profile"], notes=dict(profile="0: no profile"))
         device = pick_device(args.device)
-        sparse = {policy: SparseConfig(policy, budget=args.budget, interval=args.interval)
-                  for policy in args.policies.split(",")}
+        configs = {policy: SparseConfig(policy, budget=args.budget, interval=args.interval)
+                   for policy in args.policies.split(",")}                # a policy named twice runs once
     except (RuntimeError, ValueError) as error:
         p.error(str(error))
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
@@ -408,13 +408,13 @@ def main(argv=None):
     if args.count_ops:
         print(f"{args.shape}, {dtype}, {device}, batch {args.batch}, prompt {args.prompt}, budget {args.budget}, "
               f"interval {args.interval}; ops a decode step, views aside")
-        for policy in sparse:
-            eager, static = (ops_per_step(model, prompts, sparse[policy], captured) for captured in (False, True))
+        for policy, sparse in configs.items():
+            eager, static = (ops_per_step(model, prompts, sparse, captured) for captured in (False, True))
             print(f"{policy:>10}: {eager:7.1f} ops a decode step eager, {static:7.1f} static (a compression spread "
                   f"over its {args.interval} steps)")
         return
     if args.step_times:
-        print_step_times(model, prompts, sparse, args)
+        print_step_times(model, prompts, configs, args)
         return
     print(f"{args.shape}, {dtype}, {device}, batch {args.batch}, prompt {args.prompt} + {args.new} new, "
           f"budget {args.budget}, interval {args.interval}, {torch.get_num_threads()} threads; tokens/s, median of {args.rounds}")
@@ -428,22 +428,21 @@ def main(argv=None):
                            min_new_tokens=args.new, pad_token_id=0)
             seconds.append(clock(device) - start)
         print(f"HF generate, dense: {args.batch * args.new / statistics.median(seconds):.1f}")
-    for policy in sparse:
+    for policy, sparse in configs.items():
         speed = {False: [], True: []}
         for captured in (False, True):                                   # warm-up
-            generate(model, prompts, sparse[policy], max_new_tokens=8, temperature=0, captured=captured)
+            generate(model, prompts, sparse, max_new_tokens=8, temperature=0, captured=captured)
         for _ in range(args.rounds):
             for captured in (False, True):
-                out = generate(model, prompts, sparse[policy], max_new_tokens=args.new, temperature=0,
-                               captured=captured)
+                out = generate(model, prompts, sparse, max_new_tokens=args.new, temperature=0, captured=captured)
                 speed[captured].append(out.stats["tokens_per_s"])
         eager, static = statistics.median(speed[False]), statistics.median(speed[True])
         paired = statistics.median(b / a for a, b in zip(speed[False], speed[True]))   # robust to a slow round
         print(f"{policy:>10}: eager {eager:8.1f}  static {static:8.1f}  static / eager {static / eager:.2f}x, "
               f"median of the pairs' ratios {paired:.2f}x  "
               f"(rounds: {', '.join(f'{a:.1f}/{b:.1f}' for a, b in zip(speed[False], speed[True]))})")
-    for policy in sparse if args.profile else []:
-        profile(model, prompts, sparse[policy], args.profile)
+    for sparse in configs.values() if args.profile else []:
+        profile(model, prompts, sparse, args.profile)
 
 
 if __name__ == "__main__":

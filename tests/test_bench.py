@@ -121,8 +121,8 @@ def test_an_eviction_wrapper_is_removed_after_use():
     (["--quick", "--repeats", "0"], "--repeats must be >= 1, got 0"),          # was: the default, silently
     (["--model", "no-such-model"], "model 'no-such-model' is neither an existing folder"),
     (["--quick", "--model", "x"], "cannot be combined with --model"),
-    (["--model", ""], "--model is empty: give a file or folder name"),          # was: the random model's bench, minutes
-    (["--quick", "--out", ""], "--out is empty: give a file or folder name"),          # was: the default file, silently
+    (["--model", ""], "--model is empty: give a value, or leave the flag out"),          # was: the random model's bench, minutes
+    (["--quick", "--out", ""], "--out is empty: give a value, or leave the flag out"),          # was: the default file, silently
     (["--quick", "--repeats", str(2 ** 31)], "--repeats must be < 2**31"),             # was: a wait of years
     (["--gpu", "--repeats", "3"], "error: --gpu takes --quick, --out and --deadline only, not --repeats"),
     (["--gpu", "--model", ""], "--gpu takes --quick, --out and --deadline only, not --model"),   # '' is no model either

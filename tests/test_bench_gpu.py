@@ -187,6 +187,14 @@ def test_deadline_goes_with_gpu_and_is_not_negative(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_an_infinite_deadline_is_no_deadline_and_nan_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_gpu, "main", lambda args: args.deadline)    # past the checks: the bench itself
+    assert bench.main(["--gpu", "--deadline", "inf", "--out", str(tmp_path / "g.md")]) == float("inf")
+    with pytest.raises(SystemExit):
+        bench.main(["--gpu", "--deadline", "nan", "--out", str(tmp_path / "g.md")])
+    assert "--deadline goes with --gpu and must be >= 0, got nan" in capsys.readouterr().err
+
+
 def test_a_run_cut_short_still_writes_its_targets_and_json(tmp_path, monkeypatch):
     # gpu_check.sh stops a stage past its limit with SIGINT: what tables 1 and 2 measured must come back
     def interrupted(*args):

@@ -125,10 +125,10 @@ def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
     (["--veto", "-1"], "--veto must be >= 0, got -1.0"),
     (["--kl", "-1"], "--kl must be >= 0, got -1.0"),
     (["--lr", "0"], "--lr must be > 0, got 0.0"),
-    (["--threads", "0"], "--threads must be >= 1"),
+    (["--threads", "0"], "--threads must be >= 1 \\(or left out: chosen by model size\\), got 0"),
     (["--clip", "0"], "--clip must be > 0, got 0.0"),
     (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
-    (["--minibatch", "0"], "--minibatch must be >= 1"),
+    (["--minibatch", "0"], "--minibatch must be >= 1 \\(or left out: all rollouts\\), got 0"),
     (["--micro-batch", "0"], "--micro-batch must be >= 1, got 0"),
     (["--schedule", "s.json", "--controller", "0.86"], "give --schedule FILE or --controller THRESHOLD, not both"),
     (["--controller", "0.86", "--policy", "full"], "--policy full keeps everything"),
@@ -145,7 +145,7 @@ def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
     (["--budget", str(2 ** 64)], "--budget must be < 2\\*\\*31, got 18446744073709551616"),   # else int64 overflows
     (["--micro-batch", str(2 ** 63)], "--micro-batch must be < 2\\*\\*31"),     # ... in a traceback after the load
     (["--eval-budgets", "8", str(2 ** 63), "--steps", "0"], "--eval-budgets must be < 2\\*\\*31"),
-    (["--schedule", ""], "--schedule is empty: give a file or folder name"),   # was: no schedule, silently
+    (["--schedule", ""], "--schedule is empty: give a value, or leave the flag out"),   # was: no schedule, silently
     (["--cache-dir", ""], "--cache-dir is empty"),                           # was: a GGUF model cached in ./
 ])
 def test_each_bad_value_is_one_clear_line_before_training(tmp_path, argv, message):
@@ -166,6 +166,6 @@ def test_evaluate_only_takes_temperature_0():
 
 def test_an_empty_out_is_refused_not_the_current_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)                       # Path("") is ".": the run went into the current folder
-    with pytest.raises(SystemExit, match="^error: --out is empty: give a file or folder name"):
+    with pytest.raises(SystemExit, match="^error: --out is empty: give a value, or leave the flag out"):
         train.main(["--out", ""])
     assert not any(tmp_path.iterdir())

@@ -194,8 +194,8 @@ def test_a_run_whose_data_file_is_gone_is_named_before_any_model_is_loaded(tmp_p
     (["inference", "--adapter", "no-such.safetensors"], "--adapter 'no-such.safetensors': no such file"),
     (["keeps", "--budget", "0"], "--budget must be >= 1, got 0$"),
     (["keeps", "--example", "-1"], "--example must be >= 0, got -1$"),
-    (["inference", "--adapter", ""], "--adapter is empty: give a file or folder name"),   # was: no adapter, silently
-    (["keeps", "--out", ""], "--out is empty: give a file or folder name"),              # was: ./.png
+    (["inference", "--adapter", ""], "--adapter is empty: give a value, or leave the flag out"),   # was: no adapter, silently
+    (["keeps", "--out", ""], "--out is empty: give a value, or leave the flag out"),              # was: ./.png
     (["keeps", "--out", "."], "--out '.' is a folder; give a file name \\(a .png\\)"),      # was: ./..png
     (["keeps", "--budget", "1000"], "only 0 held-out prompts are longer than the budget \\(1000\\) \\+ interval "
                                     "\\(4\\)$"),                                 # the model loaded first
@@ -209,13 +209,24 @@ def test_inference_and_keeps_refuse_bad_flags_before_loading(tmp_path, monkeypat
         report.main(argv + ["--model", str(tmp_path)] + where)
 
 
-def test_runs_refuses_an_empty_or_folder_out_prefix(tmp_path):
-    with pytest.raises(SystemExit, match="^error: --out is empty: give a file or folder name$"):   # was: ./.md
+def test_runs_refuses_an_empty_out_prefix_or_one_without_a_name(tmp_path):
+    with pytest.raises(SystemExit, match="^error: --out is empty: give a value, or leave the flag out$"):   # was: ./.md
         report.main(["runs", "no-such-run", "--out", ""])
-    for out in (str(tmp_path), f"{tmp_path}/new/"):                   # was: <folder>.md beside it, <folder>/new/.md
-        with pytest.raises(SystemExit, match="is a folder; give a file name prefix$"):
-            report.main(["runs", "no-such-run", "--out", out])
+    with pytest.raises(SystemExit, match="is a folder; give a file name prefix$"):   # was: <folder>/new/.md
+        report.main(["runs", "no-such-run", "--out", f"{tmp_path}/new/"])
     assert not (tmp_path / "new").exists()
+    # a prefix beside a folder of its name is fine (--out results/runs-gpu writes results/runs-gpu.md): on to the runs
+    with pytest.raises(SystemExit, match="no-such-run"):
+        report.main(["runs", str(tmp_path / "no-such-run"), "--out", str(tmp_path)])
+
+
+def test_a_huge_limit_or_budget_passes_the_checks(tmp_path, monkeypatch):
+    # --limit past the file reads it all and a budget up to DENSE = 2**40 never evicts: no 2**31 bound for these
+    (tmp_path / "q.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(pytest.fail.Exception, match="a model was loaded"):
+        report.main(["inference", "--data", str(tmp_path / "q.jsonl"), "--limit", str(2 ** 40), "--budgets",
+                     str(2 ** 40)])
 
 
 @pytest.mark.parametrize("text, message", [                        # models.toy_settings' cases: tests/test_models.py

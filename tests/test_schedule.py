@@ -570,7 +570,7 @@ def test_calibration_checks_the_positions_against_its_longest_prompt(tmp_path, c
     (["--candidates", f"8,{2 ** 41}"], "--candidates must be at most 2\\*\\*40 \\(DENSE\\), got 2199023255552"),  # ditto
     (["--speedup", "s.json", "--context", str(2 ** 20 + 1)], "--context must be at most 2\\*\\*20 = 1048576 tokens, "
                                                              "got 1048577"),       # 10**11 ran for days
-    (["--adapter", ""], "--adapter is empty: give a file or folder name"),     # was: silently no adapter
+    (["--adapter", ""], "--adapter is empty: give a value, or leave the flag out"),     # was: silently no adapter
 ])
 def test_the_command_line_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, argv, message):
     # the folder holds a warm-up's warmup.json and no weights: a check that came after loading would fail there

@@ -430,9 +430,19 @@ def test_the_command_line_refuses_every_count_below_one_before_building_a_model(
     assert f"--{name} must be >= 1, got 0" in capsys.readouterr().err
 
 
+def test_a_budget_or_interval_up_to_dense_passes_the_checks(monkeypatch):
+    # SparseConfig takes budgets up to DENSE = 2**40 (never evicts): the 2**31 bound is for sizes torch allocates
+    import transformers
+
+    import static
+    monkeypatch.setattr(transformers, "LlamaForCausalLM", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(pytest.fail.Exception, match="a model was built"):
+        static.main(["--budget", str(2 ** 40), "--interval", str(2 ** 35), "--policies", "snapkv,blocktopk"])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--batch", "0"], "--batch must be >= 1, got 0"),
-    (["--profile", "-1"], "--profile must be >= 0"),
+    (["--profile", "-1"], "--profile must be >= 0 (0: no profile), got -1"),
     (["--policies", "full,xyz"], "unknown policy 'xyz'; allowed: full, streaming"),
     (["--policies", "blocktopk", "--budget", "4"], "budget=4 must be >= page_size = 16"),
     (["--device", "gpu"], "device type at start of device string: gpu"),
