@@ -3,6 +3,7 @@
 The checks of bad values (`check_args`) are run through train.main, where they must stop a run before anything
 is trained; the refusals of train.py's own (resume, caches, model, schedule) are in tests/test_train.py.
 """
+import argparse
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,11 @@ def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
     (["--eval-budgets", "8", str(2 ** 63), "--steps", "0"], "--eval-budgets must be < 2\\*\\*31"),
     (["--schedule", ""], "--schedule is empty: give a value, or leave the flag out"),   # was: no schedule, silently
     (["--cache-dir", ""], "--cache-dir is empty"),                           # was: a GGUF model cached in ./
+    # each count of check_args' lists by name, not a later check's unnamed refusal (or none: --bin-size, --eval-size)
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--budget", "0"], "--budget must be >= 1, got 0"),
+    (["--bin-size", "0"], "--bin-size must be >= 1, got 0"),
+    (["--eval-size", "0"], "--eval-size must be >= 1, got 0"),
 ])
 def test_each_bad_value_is_one_clear_line_before_training(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message) as exit_info:
@@ -169,3 +175,20 @@ def test_an_empty_out_is_refused_not_the_current_folder(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="^error: --out is empty: give a value, or leave the flag out"):
         train.main(["--out", ""])
     assert not any(tmp_path.iterdir())
+
+
+def test_check_values_refuses_integers_from_2_31_only():
+    # Pins check_values' overflow check: an int of 2**31 (torch's int32 limit) is refused, 2**31 - 1 is not; a float
+    # never is (2.0**40 is a fine number), nor a flag in `unchecked` (default: --seed, which has its own < 2**32)
+    ns = argparse.Namespace
+    cli.check_values(ns(budget=2 ** 31 - 1, lr=2.0 ** 40, seed=2 ** 40))
+    with pytest.raises(ValueError, match="^--budget must be < 2\\*\\*31, got 2147483648$"):
+        cli.check_values(ns(budget=2 ** 31))
+    with pytest.raises(ValueError, match="^--seed must be < 2\\*\\*31, got 1099511627776$"):
+        cli.check_values(ns(seed=2 ** 40), unchecked=())
+
+
+def test_check_out_file_makes_every_missing_folder_before_the_work(tmp_path):
+    # Pins check_out_file's mkdir(parents=True): an --out two new folders deep is made ready, not refused
+    cli.check_out_file(str(tmp_path / "a" / "b" / "run.json"))
+    assert (tmp_path / "a" / "b").is_dir() and not (tmp_path / "a" / "b" / "run.json").exists()
