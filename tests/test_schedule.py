@@ -566,6 +566,7 @@ def test_calibration_checks_the_positions_against_its_longest_prompt(tmp_path, c
     (["--policy", "blocktopk", "--page-size", "8"], "budget=6 must be >= page_size = 8"),
     (["--speedup", "s.json", "--context", "0"], "--context must be >= 1, got 0"),
     (["--speedup", "s.json", "--batch", "-4"], "--batch must be >= 1, got -4"),
+    (["--speedup", "s.json", "--dense-layers", "-1"], "--dense-layers must be >= 0, got -1"),   # else L + 1 sparse
     (["--bin-size", str(2 ** 63)], "--bin-size must be < 2\\*\\*31, got 9223372036854775808"),   # an OverflowError
     (["--candidates", f"8,{2 ** 41}"], "--candidates must be at most 2\\*\\*40 \\(DENSE\\), got 2199023255552"),  # ditto
     (["--speedup", "s.json", "--context", str(2 ** 20 + 1)], "--context must be at most 2\\*\\*20 = 1048576 tokens, "
@@ -634,6 +635,21 @@ def test_calibrate_writes_out_schedule_json_by_default(tmp_path):
     # Pins --out's default: out/, not the committed results/schedule.json that a bare --calibrate overwrote
     piecewise([0], [8]).save(tmp_path / "s.json")
     assert S.parse_args(["--speedup", str(tmp_path / "s.json")])[0].out == "out/schedule.json"
+
+
+def test_speedup_alone_reads_its_schedule_even_at_the_default_out(tmp_path, monkeypatch):
+    # Pins check_args' exception for --speedup == --out: only a --calibrate writes that file first; `--speedup
+    # out/schedule.json` alone (--out's default) must read it now
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    piecewise([0, 16], [8, None]).save(tmp_path / "out" / "schedule.json")
+    assert S.parse_args(["--speedup", "out/schedule.json"])[0].schedule == piecewise([0, 16], [8, None])
+
+
+def test_a_context_of_exactly_2_20_is_allowed(tmp_path):
+    # Pins the bound "at most 2**20 = 1048576 tokens": 2**20 itself passes (2**20 + 1 is refused above)
+    piecewise([0], [8]).save(tmp_path / "s.json")
+    assert S.parse_args(["--speedup", str(tmp_path / "s.json"), "--context", str(2 ** 20)])[0].context == 1048576
 
 
 # 7. the lab's edge cases (LAB.md): each test fails on a mistake a student could make writing tail_by_bin
