@@ -322,3 +322,10 @@ def test_toy_settings_returns_what_train_py_wrote_reading_its_first_file(tmp_pat
     assert models.toy_settings(tmp_path, needs=("task", "digits", "seed")) == dict(
         task="sort", digits=[12, 20], seed=3, budget=24)
     assert models.toy_settings(tmp_path, files=("args.json", "warmup.json"))["task"] == "pick"
+
+
+def test_toy_settings_passes_over_a_folder_named_like_its_file(tmp_path):
+    # Pins the is_file() test: a folder named warmup.json is no warm-up, so the run's args.json is read instead
+    (tmp_path / "warmup.json").mkdir()
+    (tmp_path / "args.json").write_text('{"task": "pick", "digits": [3, 6]}')
+    assert models.toy_settings(tmp_path) == dict(task="pick", digits=[3, 6])
