@@ -280,6 +280,8 @@ def test_blocktopk_pages_match_a_brute_force_choice(schedule):
     (dict(policy="blocktopk", budget=8, page_size=16), "budget=8 must be >= page_size = 16"),
     (dict(page_size=0), "page_size must be a positive integer"),
     (dict(dense_layers=-1), "dense_layers must be a non-negative integer"),
+    (dict(budget=16.5), "budget must be a positive integer, got 16.5"),        # an int, not just >= 1
+    (dict(kernel=-1), "kernel must be a positive integer, got -1"),           # odd, yet no pooling width
     (dict(budget=2 ** 64), "budget must be at most 2\\*\\*40 \\(DENSE: never evicts\\), got 18446744073709551616"),
     (dict(interval=2 ** 63), "interval must be at most 2\\*\\*40"),            # else an OverflowError mid-rollout
 ])
