@@ -148,6 +148,21 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_bench_runs(tmp_path
     assert "--out '" in err and "File exists" in err and "Traceback" not in err
 
 
+def test_the_default_out_folder_is_made_before_any_model_is_built(tmp_path, monkeypatch):
+    # Pins main's check_out_file on the default: with no --out, results/ (where every default lies) is made before
+    # the work, else a run elsewhere would end in a traceback after minutes of timing
+    class Built(Exception):
+        pass
+
+    def build_model(s):
+        assert (tmp_path / "results").is_dir()
+        raise Built
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "build_model", build_model)
+    with pytest.raises(Built):
+        bench.main(["--quick"])
+
+
 # ----------------------------------------------------------------------------- the arithmetic, on fake timings
 
 def fake_run(seconds, prefill=0.0, evict=None, kv_tokens=10, tokens=None):
