@@ -302,6 +302,7 @@ def test_the_controller_takes_the_runs_cache_settings():
                              "--page-size", "8", "--bin-size", "32"])
     c = train.sparse_config(args, longest_prompt=10).schedule
     assert (c.threshold, c.step, c.interval, c.page_size, c.bin_size, c.budgets[0]) == (0.9, 8, 16, 8, 32, 64)
+    assert c.low == 8                      # the cache's smallest budget: blocktopk's one page (8), not 1
 
 
 def test_random_down_sampling_is_a_function_of_seed_and_step(warm, monkeypatch):
@@ -423,12 +424,21 @@ def test_a_schedule_or_controller_takes_budgets_a_fixed_cache_would_refuse(tmp_p
     S.piecewise([0, 16], [4, 8]).save(tmp_path / "pages.json")
     assert train.sparse_config(train.parse_args(pages + [str(tmp_path / "pages.json")])).schedule.budgets == (4, 8)
     S.piecewise([0, 16], [2, 8]).save(tmp_path / "short.json")
-    with pytest.raises(ValueError, match="budget=2 must be >= page_size = 4"):
+    with pytest.raises(ValueError, match="^budget=2 must be >= page_size = 4$"):   # the run's cache: no evaluation's
         train.sparse_config(train.parse_args(pages + [str(tmp_path / "short.json")]))
     # the controller starts at --budget, even above its usual cap (schedule.HIGH), and never goes past it
     args = train.parse_args(["--controller", "0.86", "--budget", str(S.HIGH + 904)])
     controller = train.sparse_config(args).schedule
     assert set(controller.budgets) == {S.HIGH + 904} and controller.high == S.HIGH + 904
+
+
+def test_an_evaluation_cache_is_fixed_whatever_schedule_or_controller_the_run_has(tmp_path):
+    # Pins sparse_config(args, policy, budget): that policy at that budget, no schedule, even where args carry a
+    # --schedule or a --controller (their budgets are the run's rollouts', not an evaluation's)
+    S.piecewise([0, 16], [8, 12]).save(tmp_path / "s.json")
+    for flags in (["--schedule", str(tmp_path / "s.json")], ["--controller", "0.86"]):
+        sparse = train.sparse_config(train.parse_args(flags), "streaming", 6)
+        assert (sparse.policy, sparse.budget, sparse.schedule) == ("streaming", 6, None)
 
 
 def test_the_longest_toy_prompt_by_brute_force():
