@@ -386,6 +386,21 @@ def test_step_times_charges_a_steps_announcement_to_that_step(monkeypatch, fake_
     assert [s > 100 for s in seconds] == compressing, seconds
 
 
+def test_step_times_puts_back_the_caches_start_step(monkeypatch, fake_clock):
+    # Pins step_times' patch.object: KVCache.start_step is the original again after the rollout, and after one
+    # that raises; else every later rollout in the process would keep appending marks
+    before, sparse = KVCache.start_step, SparseConfig("snapkv", budget=4, interval=2, window=2, sink=1, kernel=3)
+    step_times(tiny_model(), [[5, 9, 3, 7, 1, 12]], sparse, 3)
+    assert KVCache.start_step is before
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("mid-rollout")
+    monkeypatch.setattr(sampler, "generate", broken)
+    with pytest.raises(RuntimeError, match="mid-rollout"):
+        step_times(tiny_model(), [[5, 9, 3, 7, 1, 12]], sparse, 3)
+    assert KVCache.start_step is before
+
+
 def test_print_step_times_reports_every_rounds_steps_by_hand(monkeypatch, capsys):
     """--step-times with `step_times` replaced by fixed timings (ms): full's steps all 10 in round 1, all 50 in
     round 2 (median 30 over both); snapkv's steady steps 1, 2, ..., 20 and two compressions, 50 and 70, in each of
@@ -459,6 +474,17 @@ def test_the_command_line_refuses_bad_flags_before_building_a_model(monkeypatch,
     with pytest.raises(SystemExit):
         static.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_the_command_line_times_each_policy_at_its_budget_and_interval(monkeypatch):
+    # Pins main's SparseConfigs, built once from the flags: --count-ops runs each policy, eager then static, at
+    # --budget 24 and --interval 4 (not SparseConfig's defaults 512 and 128)
+    import static
+    seen = []
+    monkeypatch.setattr(static, "ops_per_step", lambda model, prompts, sparse, captured: seen.append(sparse) or 1.0)
+    static.main(["--shape", "layers28", "--count-ops", "--batch", "1", "--prompt", "4", "--new", "8",
+                 "--policies", "snapkv,full", "--budget", "24", "--interval", "4"])
+    assert seen == [SparseConfig("snapkv", 24, 4)] * 2 + [SparseConfig("full", 24, 4)] * 2
 
 
 def test_the_model_has_positions_for_a_profile_longer_than_the_timed_rollouts(monkeypatch):
