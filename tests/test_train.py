@@ -3,7 +3,6 @@ import copy
 import json
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
