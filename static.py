@@ -334,12 +334,18 @@ def print_step_times(model, prompts, configs, args):
     collector = {p: GCClock() for p in policies}
     for p in policies:                                                  # warm-up
         step_times(model, prompts, configs[p], 8)
-    for _ in range(args.rounds):
-        for p in policies:
-            with collector[p]:
-                s, c = step_times(model, prompts, configs[p], args.new)
-            seconds[p] += s
-            compressing[p] += c
+    try:
+        for _ in range(args.rounds):
+            for p in policies:
+                with collector[p]:
+                    s, c = step_times(model, prompts, configs[p], args.new)
+                seconds[p] += s
+                compressing[p] += c
+    except KeyboardInterrupt:   # a time limit's SIGINT (gpu_check.sh): the rollouts that finished, not nothing
+        if not any(seconds.values()):
+            raise
+        print(f"interrupted: only the policies whose rollouts finished: {', '.join(p for p in policies if seconds[p])}")
+        policies = [p for p in policies if seconds[p]]
     first = policies[0]
     parts = {p: [1e3 * x for x in split_mean(seconds[p], compressing[p])] for p in policies}
     for p in policies:

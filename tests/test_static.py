@@ -432,6 +432,30 @@ def test_print_step_times_reports_every_rounds_steps_by_hand(monkeypatch, capsys
             "median   60.00) + the steady steps' spread  0.00 (p90  19.00, max   20.00)") in out
 
 
+def test_print_step_times_reports_the_rollouts_finished_before_a_time_limits_sigint(monkeypatch, capsys):
+    """gpu_check.sh gives --step-times what is left of its call, then SIGINT: the policies whose rollouts finished
+    are still reported (here full and snapkv, h2o's rollout interrupted), not a traceback alone; interrupted
+    before any finished, the KeyboardInterrupt goes on."""
+    import argparse
+
+    import static
+
+    def timings(model, prompts, sparse, steps):
+        if steps == 22 and sparse.policy == "h2o":
+            raise KeyboardInterrupt
+        return [0.010] * 3, [False] * 3
+    monkeypatch.setattr(static, "step_times", timings)
+    args = argparse.Namespace(shape="bench", batch=2, prompt=6, new=22, budget=16, interval=4, rounds=1)
+    sparse = {p: SparseConfig(p, budget=16, interval=4) for p in ("full", "snapkv", "h2o")}
+    model = type("M", (), dict(dtype=torch.float32, device="cpu"))()
+    static.print_step_times(model, [[1, 2]], sparse, args)
+    out = capsys.readouterr().out
+    assert "interrupted" in out and "full: mean step" in out and "snapkv: mean step" in out
+    assert "h2o: mean step" not in out
+    with pytest.raises(KeyboardInterrupt):
+        static.print_step_times(model, [[1, 2]], {"h2o": sparse["h2o"]}, args)
+
+
 @pytest.mark.parametrize("name", ["batch", "prompt", "new", "budget", "interval", "rounds"])
 def test_the_command_line_refuses_every_count_below_one_before_building_a_model(monkeypatch, capsys, name):
     # each of these counts at 0 would fail, or time nothing (no round: a median of nothing), only after a model of
