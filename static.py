@@ -342,10 +342,10 @@ def print_step_times(model, prompts, configs, args):
                 seconds[p] += s
                 compressing[p] += c
     except KeyboardInterrupt:   # a time limit's SIGINT (gpu_check.sh): the rollouts that finished, not nothing
-        if not any(seconds.values()):
-            raise
-        print(f"interrupted: only the policies whose rollouts finished: {', '.join(p for p in policies if seconds[p])}")
         policies = [p for p in policies if seconds[p]]
+        if not policies:
+            raise
+        print(f"interrupted: only the policies whose rollouts finished: {', '.join(policies)}")
     first = policies[0]
     parts = {p: [1e3 * x for x in split_mean(seconds[p], compressing[p])] for p in policies}
     for p in policies:
