@@ -41,7 +41,7 @@ Speed, side by side in one run (random Llama weights, greedy, each pair interlea
     python static.py --shape layers28 --batch 4 --prompt 64 --budget 32 --interval 16 --count-ops \\
         --policies full,streaming,snapkv,rkv,h2o,blocktopk                 # kernel launches a step, on the CPU
     python static.py --device cuda --shape qwen3-1.7b --batch 64 --prompt 512 --new 320 --budget 512 \\
-        --interval 128 --rounds 1 --policies full,streaming,snapkv,rkv,h2o --step-times   # each eager step timed
+        --interval 128 --rounds 1 --policies full,h2o,snapkv,streaming,rkv --step-times   # each eager step timed
                                                                                         # (gpu_check.sh's)
 """
 import argparse
