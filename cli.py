@@ -235,7 +235,7 @@ def check_out_file(path, what="a file name", prefix=False):
 
 def check_args(args):
     """Every bad value is one clear error line, before any model is built."""
-    check_values(args)
+    check_values(args, unchecked=("seed", "budget", "eval_budgets"))   # budgets: SparseConfig's, up to DENSE
     check_least(args, 1, ["budget", "interval", "window", "bin_size", "max_new_tokens", "prompts", "ppo_epochs",
                           "micro_batch", "eval_every", "eval_size", "save_every", "lora_rank", "threads", "minibatch"],
                 notes=dict(threads="or left out: chosen by model size", minibatch="or left out: all rollouts"))
