@@ -86,7 +86,7 @@ def evaluate_only(model, tokenizer, examples, reward, configs, max_new_tokens, l
     `configs`; prints it as a markdown table and returns {name: accuracy}."""
     results = {}
     for sparse in tqdm([SparseConfig("full"), *configs], desc="evaluate", leave=False, dynamic_ncols=True):
-        name = "dense" if sparse.policy == "full" else f"{sparse.policy}, budget {sparse.budget}"
+        name = "dense" if sparse.policy == "full" else sparse.name
         results[name] = accuracy(eval_rewards(model, tokenizer, examples, reward, sparse, max_new_tokens, lora))
     print(f"\n| cache | greedy accuracy on {len(examples)} held-out prompts |\n|---|---|")
     for name, value in results.items():

@@ -100,6 +100,13 @@ class SparseConfig:
         return self.budget if self.schedule is None else max(b or DENSE for b in self.schedule.budgets)
 
     @property
+    def name(self):
+        """How the tables name this cache: "snapkv, budget 512"; DENSE reads "never evicts", not 1099511627776."""
+        budget = ("scheduled budget" if self.schedule is not None else "budget 2**40 (never evicts)"
+                  if self.budget >= DENSE else f"budget {self.budget}")
+        return "full cache, nothing evicted" if self.policy == "full" else f"{self.policy}, {budget}"
+
+    @property
     def pages(self):
         """Block top-k's page size; None for the eviction policies, which choose tokens, not pages."""
         return self.page_size if self.policy == "blocktopk" else None

@@ -414,9 +414,7 @@ def summary(out, first, last, history, sparse, seconds):
     evals = [json.loads(l) for l in (out / "eval.jsonl").read_text().splitlines()]
     first = first or evals[0]
     mean = lambda key, rows=history: float(np.mean([m[key] for m in rows]))
-    cache = ("full cache, nothing evicted" if sparse.policy == "full" else f"{sparse.policy}, budget {sparse.budget}"
-             if sparse.schedule is None else f"{sparse.policy}, scheduled budget")
-    print(f"\n| accuracy (greedy, {len(history)} steps run) | dense inference | sparse ({cache}) |"
+    print(f"\n| accuracy (greedy, {len(history)} steps run) | dense inference | sparse ({sparse.name}) |"
           f"\n|---|---|---|\n| before RL | {first['dense']:.3f} | {first['sparse']:.3f} |\n"
           f"| after RL  | {last['dense']:.3f} | {last['sparse']:.3f} |")
     if history:

@@ -290,6 +290,15 @@ def test_bad_config_is_a_clear_error(kwargs, message):
         SparseConfig(**kwargs)
 
 
+def test_a_cache_is_named_as_the_tables_print_it():
+    # train.py's summary and an evaluation's rows: a DENSE budget (2**40) reads "never evicts", not 1099511627776
+    assert SparseConfig().name == "full cache, nothing evicted"
+    assert SparseConfig("snapkv", budget=24).name == "snapkv, budget 24"
+    assert SparseConfig("h2o", budget=2 ** 40).name == "h2o, budget 2**40 (never evicts)"
+    assert SparseConfig("h2o", budget=2 ** 40 - 1).name == "h2o, budget 1099511627775"
+    assert SparseConfig("rkv", schedule=Schedule((0, 64), (16, None))).name == "rkv, scheduled budget"
+
+
 def test_unsupported_architecture_is_named():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
     with pytest.raises(ValueError, match="'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3"):
