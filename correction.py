@@ -310,8 +310,9 @@ def policy_loss(logp, logp_old, advantages, mask, weights=None, clip=0.2, clip_h
         tokens of response i and N every response given;
       agg "token-mean" (DAPO): sum_it kept_it * L_it / sum_i n_i.
     Returns (loss scalar, stats): tokens (kept), responses (that kept any), signal_tokens (kept
-    tokens with A != 0), clip_frac, ratio_mean, weight_mean, kl. No kept token, or no signal:
-    loss 0, gradient 0.
+    tokens with A != 0), clip_frac, ratio_mean, weight_mean, kl. No kept token: loss 0, gradient 0; no
+    signal (A = 0 everywhere): the policy-gradient term is 0, but a KL term (kl_coef > 0) still adds
+    its loss and gradient (distill.py's "kl" variant is exactly this case).
     """
     response_mask = mask if response_mask is None else response_mask
     check_shapes(logp=logp, logp_old=logp_old, mask=mask, response_mask=response_mask)
