@@ -203,7 +203,8 @@ def update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, 
     """The learner: `--ppo-epochs` passes over the rollouts in shuffled minibatches of `--minibatch` (default all
     of them: one AdamW step per batch), each minibatch forward and backward `--micro-batch` rows at a time
     with the gradients accumulated. logp_old, mask, weights [N, T]; advantages [N]; logp_ref [N, T] or None.
-    -> (mean loss, mean clip fraction) over the AdamW steps."""
+    -> (mean loss, mean clip fraction) over the AdamW steps; a step's clip fraction is over its kept tokens, as
+    policy_loss's, whatever the micro-batches."""
     order = torch.Generator().manual_seed(seed)                        # a new shuffle every epoch and step
     losses, clips = [], []
     model.train()
@@ -214,7 +215,7 @@ def update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, 
             # rejected ones included (correction.policy_loss): each micro-batch's part is its share of them
             size = lambda rows: len(rows) if args.agg == "seq-mean" else int((rollouts.mask[rows] > 0).sum())
             total = size(batch) or 1
-            step_loss, step_clip = 0.0, 0.0
+            step_loss, clipped, kept = 0.0, 0.0, 0   # clip_frac: clipped / kept tokens of the minibatch
             for rows in batch.split(args.micro_batch):
                 with autocast(args.dtype, model.device):                 # the forward; backward outside
                     logp = C.response_logprobs(model, rollouts.select(rows), args.temperature)
@@ -225,12 +226,13 @@ def update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, 
                 share = size(rows) / total
                 (loss * share).backward()                            # this micro-batch's part of the mean
                 step_loss += loss.item() * share
-                step_clip += stats["clip_frac"] * share
+                clipped += stats["clip_frac"] * stats["tokens"]     # policy_loss's fraction is over kept tokens
+                kept += stats["tokens"]
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()          # also with no signal (gradient 0): AdamW's momentum still moves the weights
             opt.zero_grad(set_to_none=True)
             losses.append(step_loss)
-            clips.append(step_clip)
+            clips.append(clipped / max(kept, 1))
     model.eval()
     return float(np.mean(losses)), float(np.mean(clips))
 

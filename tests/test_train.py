@@ -702,8 +702,11 @@ def test_the_steps_loss_and_clip_fraction_are_means_over_its_adamw_steps(warm, m
     model, tokenizer = models.load_pretrained(str(warm))
     metrics = small_step(model, tokenizer, args, torch.optim.AdamW(model.parameters(), lr=1e-2))
     assert [len(a[0]) for a, _, _ in calls] == [3, 3, 2] * 4
-    parts = [(len(a[0]) / 8 * out[0].item(), len(a[0]) / 8 * out[1]["clip_frac"]) for a, _, out in calls]
-    steps = [[sum(p[j] for p in parts[i: i + 3]) for j in (0, 1)] for i in range(0, 12, 3)]   # per AdamW step
+    # clip_frac: a minibatch's clipped tokens over its kept tokens, whatever its micro-batches
+    parts = [(len(a[0]) / 8 * out[0].item(), out[1]["clip_frac"] * out[1]["tokens"], out[1]["tokens"])
+             for a, _, out in calls]
+    sums = [[sum(p[j] for p in parts[i: i + 3]) for j in (0, 1, 2)] for i in range(0, 12, 3)]   # per AdamW step
+    steps = [(loss, clipped / max(kept, 1)) for loss, clipped, kept in sums]
     assert len({round(loss, 6) for loss, _ in steps}) == 4 and len({round(clip, 6) for _, clip in steps}) > 1
     assert metrics["loss"] == pytest.approx(sum(loss for loss, _ in steps) / 4, rel=1e-5)
     assert metrics["clip_frac"] == pytest.approx(sum(clip for _, clip in steps) / 4, rel=1e-5)
