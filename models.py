@@ -53,8 +53,13 @@ def autocast(dtype, device):
 def pick_device(name):
     """The torch.device a `--device` flag names: "auto" (CUDA if torch sees a GPU, else the CPU), "cpu" or
     "cuda"; a ValueError, before any model is loaded, if CUDA is asked for and absent."""
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but torch sees no CUDA device (is this the CPU build of torch?)")
+    cuda = name == "cuda" or name.startswith("cuda:")                 # static.py takes cuda:N too
+    if cuda and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}, but torch sees no CUDA device (is this the CPU build of torch?)")
+    if name.startswith("cuda:"):
+        index, count = name[len("cuda:"):], torch.cuda.device_count()
+        if not index.isdigit() or int(index) >= count:
+            raise ValueError(f"--device {name}: torch sees {count} CUDA device(s), so cuda:0 to cuda:{count - 1}")
     return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name)
 
 

@@ -329,3 +329,16 @@ def test_toy_settings_passes_over_a_folder_named_like_its_file(tmp_path):
     (tmp_path / "warmup.json").mkdir()
     (tmp_path / "args.json").write_text('{"task": "pick", "digits": [3, 6]}')
     assert models.toy_settings(tmp_path) == dict(task="pick", digits=[3, 6])
+
+
+def test_pick_device_refuses_cuda_n_without_that_gpu(monkeypatch):
+    # static.py --device cuda:0 on a CPU build was an AssertionError traceback from torch's lazy CUDA init
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="^--device cuda:0, but torch sees no CUDA device \\(is this the CPU build "
+                                         "of torch\\?\\)$"):
+        models.pick_device("cuda:0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="^--device cuda:3: torch sees 1 CUDA device\\(s\\), so cuda:0 to cuda:0$"):
+        models.pick_device("cuda:3")
+    assert models.pick_device("cuda:0") == torch.device("cuda:0")
