@@ -243,6 +243,11 @@ def check_args(args):
     for name in ["lr", "clip", "cap", "lora_lr_scale"]:
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.threads is not None and args.threads > (cores := os.cpu_count() or 1):   # 100000: a MemoryError traceback
+        raise ValueError(f"--threads must be at most this machine's {cores} CPU cores, got {args.threads}")
+    if not args.veto < 1:                                              # rho 1: sampler and re-scoring agree
+        raise ValueError(f"--veto must be < 1 (a response with any rho below it leaves the loss; Sparse-RL's 1e-4), "
+                         f"got {args.veto}")
     if args.seed >= 2 ** 32:                                           # step seeds are seed * 100_003 + step
         raise ValueError(f"--seed must be < 2**32, got {args.seed}")
     if args.steps > 0 and args.temperature == 0:
@@ -277,6 +282,9 @@ def check_args(args):
         raise ValueError("--distill trains an adapter for a sparse sampler; --policy full samples densely")
     if (args.eval_policies or args.eval_budgets) and args.steps > 0:
         raise ValueError("--eval-policies and --eval-budgets go with --steps 0 (evaluate only)")
+    if args.eval_budgets and all(p == "full" for p in args.eval_policies or [args.policy]):
+        raise ValueError("--eval-budgets set the budgets of sparse caches, and every evaluated policy is full (it "
+                         "keeps everything): name a sparse one in --eval-policies")
     if (args.schedule or args.controller is not None) and args.steps == 0:
         raise ValueError("--schedule and --controller set the budgets of training's rollouts; --steps 0 evaluates "
                          "fixed budgets (--eval-budgets)")

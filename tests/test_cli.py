@@ -201,3 +201,31 @@ def test_check_out_file_makes_every_missing_folder_before_the_work(tmp_path):
     # Pins check_out_file's mkdir(parents=True): an --out two new folders deep is made ready, not refused
     cli.check_out_file(str(tmp_path / "a" / "b" / "run.json"))
     assert (tmp_path / "a" / "b").is_dir() and not (tmp_path / "a" / "b" / "run.json").exists()
+
+
+def test_threads_beyond_the_cores_is_one_line_not_a_memory_error(monkeypatch):
+    # --threads 100000 asked torch and the tokenizer for 100000 threads: a MemoryError traceback after ~8 s
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: 2)
+    assert cli.check_args(cli.parse_args(["--threads", "2"])) is None
+    with pytest.raises(ValueError) as error:
+        cli.check_args(cli.parse_args(["--threads", "100000"]))
+    assert str(error.value) == "--threads must be at most this machine's 2 CPU cores, got 100000"
+
+
+def test_a_veto_of_1_or_more_is_refused_not_every_response_vetoed():
+    # --veto 1e4 (for 1e-4) vetoed all 128 responses of a step: 100% of tokens dropped, the weights never moved
+    with pytest.raises(ValueError) as error:
+        cli.check_args(cli.parse_args(["--veto", "1e4"]))
+    assert str(error.value) == ("--veto must be < 1 (a response with any rho below it leaves the loss; Sparse-RL's "
+                                "1e-4), got 10000.0")
+
+
+@pytest.mark.parametrize("argv", [["--policy", "full"], ["--eval-policies", "full"]])
+def test_eval_budgets_with_only_the_full_cache_are_refused_not_ignored(argv):
+    # evaluate.py --policy full --eval-budgets 8 12 printed the dense row alone: the budgets silently dropped
+    with pytest.raises(ValueError) as error:
+        cli.check_args(cli.parse_args(["--steps", "0", "--eval-budgets", "8", "12"] + argv))
+    assert str(error.value) == ("--eval-budgets set the budgets of sparse caches, and every evaluated policy is full "
+                                "(it keeps everything): name a sparse one in --eval-policies")
+    assert cli.check_args(cli.parse_args(["--steps", "0", "--eval-budgets", "8", "--eval-policies", "full",
+                                          "snapkv"])) is None
