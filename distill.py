@@ -50,6 +50,11 @@ def saved_rank(saved):
     return next((v.shape[0] for k, v in saved.items() if k.startswith("A.")), None)
 
 
+def max_rank(model):
+    """The largest LoRA rank that adds anything to some linear layer of `model`'s decoder: max of min(in, out)."""
+    return max(min(m.in_features, m.out_features) for m in model.get_decoder().modules() if isinstance(m, nn.Linear))
+
+
 class LoRA(nn.Module):
     """A low-rank adapter phi on every linear layer of the model's decoder (not the output layer).
 
@@ -64,6 +69,9 @@ class LoRA(nn.Module):
         super().__init__()
         if not isinstance(rank, int) or rank < 1:
             raise ValueError(f"the LoRA rank must be a positive integer, got {rank!r}")
+        if rank > (most := max_rank(model)):                           # before allocating [rank, in] per layer
+            raise ValueError(f"the LoRA rank must be at most {most} (min(in, out) of the model's widest linear "
+                             f"layer), got {rank}")
         self.rank, self.scaling, self.active = rank, alpha / rank, False
         self.A, self.B, self.handles = nn.ParameterDict(), nn.ParameterDict(), []
         generator = torch.Generator().manual_seed(seed)

@@ -239,6 +239,29 @@ def update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, 
 
 # ----------------------------------------------------------------------------- the run
 
+def check_fits(args, model, longest):
+    """What the loaded model and the longest prompt decide about the flags: a ValueError where a cache asked for
+    would silently be a full one (--dense-layers past the model's layers, an --interval no rollout reaches), or
+    where the adapter's rank is wider than every layer (a traceback in torch's allocator at a huge one)."""
+    policies = (args.eval_policies or [args.policy]) if args.steps == 0 else [args.policy]
+    layers = model.config.num_hidden_layers
+    if "blocktopk" in policies and args.dense_layers >= layers:
+        raise ValueError(f"--dense-layers {args.dense_layers}: the model has {layers} layers, so block top-k would "
+                         f"attend to every token in each; give at most {layers - 1}")
+    if args.distill != "off" and args.lora_rank > (most := distill.max_rank(model)):
+        raise ValueError(f"--lora-rank must be at most {most} (min(in, out) of the model's widest linear layer), "
+                         f"got {args.lora_rank}")
+    if args.schedule or args.controller is not None:                  # their budgets change along the context
+        return
+    longest_row = longest + args.max_new_tokens - 1                   # tokens held at the last decode step
+    for budget in (args.eval_budgets or [args.budget]) if args.steps == 0 else [args.budget]:
+        if any(p not in ("full", "blocktopk") for p in policies) and budget < longest_row < budget + args.interval:
+            raise ValueError(f"--interval {args.interval}: a cache compresses once it holds budget + interval = "
+                             f"{budget + args.interval} tokens, and the longest rollout holds at most {longest_row} "
+                             f"(prompt {longest} + --max-new-tokens {args.max_new_tokens} - 1), so budget {budget} "
+                             f"would never evict: give --interval at most {longest_row - budget}")
+
+
 def threads(args):
     """CPU threads for torch: --threads, else one for the toy model, since a second thread helps it alone (the
     quick start: 51 s on one, 36 s on two, on 2 idle cores) but costs far more beside another run (two runs side
@@ -283,6 +306,7 @@ def main(argv=None):
         model, tokenizer = load_model(args, device)
         longest = longest_prompt(args, train, held_out, tokenizer)
         check_length(longest, args.max_new_tokens, model.config)
+        check_fits(args, model, longest)
         loaded = load_checkpoint(ckpt, device, torch.float32) if ckpt else None   # model stays the base (ref_model)
     except (ValueError, OSError) as error:
         for folder in made:                                            # a failed load leaves no empty --out behind

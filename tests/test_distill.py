@@ -9,6 +9,7 @@ import torch
 
 import distill
 import models
+import tasks
 import train
 from correction import dense_logprobs
 from kvcache import SparseConfig
@@ -255,3 +256,12 @@ def test_theta_and_phi_each_move_only_in_their_own_step(warm, monkeypatch):
     assert seen["phi"][0] == 0 and seen["phi"][1] > 0                 # the adapter's step moves phi only
     assert {"distill_loss", "distill_kl", "distill_s"} <= set(line)
     assert all(p.requires_grad for p in model.parameters())           # theta is trainable again afterwards
+
+
+def test_a_rank_wider_than_every_layer_is_refused_before_allocating():
+    model = models.toy_model(tasks.char_tokenizer())                  # 128 wide: min(in, out) at most 128
+    assert distill.max_rank(model) == 128
+    with pytest.raises(ValueError) as error:
+        distill.LoRA(model, 129)
+    assert str(error.value) == ("the LoRA rank must be at most 128 (min(in, out) of the model's widest linear layer), "
+                                "got 129")

@@ -744,3 +744,42 @@ def test_bf16_runs_every_forward_of_a_step_under_autocast(warm, monkeypatch):
     model, tokenizer = models.load_pretrained(str(warm))
     small_step(model, tokenizer, train.parse_args(SMALL + ["--dtype", "bfloat16"]))
     assert seen == {name: {torch.bfloat16} for name in ("generate", "dense_logprobs", "response_logprobs")}
+
+
+# ----------------------------------------------------------------------------- flags the loaded model decides on
+
+FITS = ["--task", "sort", "--digits", "4", "8", "--warmup-steps", "0", "--max-new-tokens", "10", "--budget", "10",
+        "--window", "2"]                                              # the longest prompt: 11 tokens
+
+
+def test_dense_layers_past_the_model_is_refused_not_a_dense_run(tmp_path):
+    # --policy blocktopk --dense-layers 99 on the 2-layer toy trained 200 steps of dense rollouts (alpha 1.000)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(FITS + ["--policy", "blocktopk", "--page-size", "2", "--dense-layers", "2",
+                           "--out", str(tmp_path)])
+    assert str(exit_info.value) == ("error: --dense-layers 2: the model has 2 layers, so block top-k would attend to "
+                                    "every token in each; give at most 1")
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_an_interval_no_rollout_reaches_is_refused_not_a_dense_run(tmp_path):
+    # --interval 100000 never compressed: "snapkv, budget 12" rollouts were full ones (rho 1.000, alpha 1.000).
+    # 11 + 10 - 1 = 20 tokens at the last decode step: interval 10 compresses once (as the sampler counts), 11 never
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(FITS + ["--interval", "11", "--out", str(tmp_path)])
+    assert str(exit_info.value) == ("error: --interval 11: a cache compresses once it holds budget + interval = 21 "
+                                    "tokens, and the longest rollout holds at most 20 (prompt 11 + --max-new-tokens 10 "
+                                    "- 1), so budget 10 would never evict: give --interval at most 10")
+    assert not (tmp_path / "metrics.jsonl").exists()
+    model = models.toy_model(char_tokenizer())
+    assert train.check_fits(train.parse_args(FITS + ["--interval", "10"]), model, 11) is None
+    assert train.check_fits(train.parse_args(FITS + ["--budget", "20", "--interval", "99"]), model, 11) is None  # holds all
+
+
+def test_a_lora_rank_wider_than_the_model_is_one_line_not_an_allocator_traceback(tmp_path):
+    # --distill kl --lora-rank 1000000000: torch tried to allocate 512 GB, a RuntimeError traceback
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(FITS + ["--distill", "kl", "--lora-rank", "1000000000", "--out", str(tmp_path)])
+    assert str(exit_info.value) == ("error: --lora-rank must be at most 128 (min(in, out) of the model's widest "
+                                    "linear layer), got 1000000000")
+    assert not (tmp_path / "metrics.jsonl").exists()
