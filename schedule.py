@@ -18,6 +18,7 @@ What is notable here:
 import argparse
 import json
 import math
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from itertools import accumulate
@@ -79,7 +80,9 @@ class Schedule:
 
     def save(self, path):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps({"bins": list(self.bins), "budgets": list(self.budgets)}) + "\n")
+        tmp = Path(path).with_name(Path(path).name + ".tmp")           # a kill mid-write keeps an old schedule whole
+        tmp.write_text(json.dumps({"bins": list(self.bins), "budgets": list(self.budgets)}) + "\n")
+        os.replace(tmp, path)
 
     @staticmethod
     def load(path):

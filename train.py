@@ -27,6 +27,7 @@ held-out prompts, dense and through the rollout cache: evaluate.py), checkpoints
 """
 import copy
 import json
+import os
 import random
 import sys
 import time
@@ -89,7 +90,10 @@ def load_model(args, device):
     cached = Path(args.out) / "warmup"
     settings = dict(task=args.task, digits=list(args.digits), warmup_steps=args.warmup_steps, seed=args.seed,
                     alphabet=ALPHABET)
-    made = json.loads((cached / "warmup.json").read_text()) if (cached / "warmup.json").is_file() else None
+    try:                                                               # unreadable: as unrecorded, made anew
+        made = json.loads((cached / "warmup.json").read_text())
+    except (OSError, ValueError):
+        made = None
     if made != settings:
         if cached.is_dir():
             print(f"{cached} was made with {made or 'unrecorded settings'}; making a new warm-up for {settings}")
@@ -280,7 +284,9 @@ def truncate_log(path, last_step):
                     lines.append(line)
             except (json.JSONDecodeError, KeyError, TypeError):
                 pass
-        path.write_text("".join(l + "\n" for l in lines))
+        tmp = path.with_name(path.name + ".tmp")                       # a kill mid-write keeps the old log whole
+        tmp.write_text("".join(l + "\n" for l in lines))
+        os.replace(tmp, path)
 
 
 def main(argv=None):

@@ -690,3 +690,19 @@ def test_an_out_under_a_file_is_refused_before_calibrating(tmp_path, capsys):
         with pytest.raises(SystemExit):
             S.main(["--calibrate", "--model", str(tmp_path), "--out", str(out)])
         assert "--out" in capsys.readouterr().err
+
+
+def test_a_kill_while_saving_keeps_the_old_schedule_whole(tmp_path, monkeypatch):
+    # save wrote the file in place: a kill mid-write left a torn schedule.json that train.py --schedule refuses
+    path = tmp_path / "s.json"
+    piecewise([0, 16], [8, 12]).save(path)
+    old = path.read_text()
+
+    def write_half(self, text, *args, **kwargs):
+        with open(self, "w") as f:
+            f.write(text[: len(text) // 2])
+        raise KeyboardInterrupt
+    monkeypatch.setattr(S.Path, "write_text", write_half)
+    with pytest.raises(KeyboardInterrupt):
+        piecewise([0, 16, 32], [8, 12, 16]).save(path)
+    assert path.read_text() == old

@@ -783,3 +783,35 @@ def test_a_lora_rank_wider_than_the_model_is_one_line_not_an_allocator_traceback
     assert str(exit_info.value) == ("error: --lora-rank must be at most 128 (min(in, out) of the model's widest "
                                     "linear layer), got 1000000000")
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def half_written(monkeypatch):
+    """Make every Path.write_text write half its text, then die as a kill would."""
+    def write_half(self, text, *args, **kwargs):
+        with open(self, "w") as f:
+            f.write(text[: len(text) // 2])
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train.Path, "write_text", write_half)
+
+
+def test_a_kill_while_truncating_a_log_keeps_the_old_log_whole(tmp_path, monkeypatch):
+    # --resume rewrote metrics.jsonl in place: a kill mid-write lost the steps before the checkpoint
+    log = tmp_path / "metrics.jsonl"
+    text = "".join(json.dumps(dict(step=s, reward=0.5)) + "\n" for s in range(1, 9))
+    log.write_text(text)
+    half_written(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        train.truncate_log(log, 4)
+    assert log.read_text() == text
+
+
+def test_an_unreadable_cached_warm_up_is_made_anew_not_a_bare_json_error(tmp_path, capsys):
+    # a warmup.json that is no JSON ended the run in "error: Expecting property name enclosed in double quotes: ..."
+    (tmp_path / "warmup").mkdir()
+    (tmp_path / "warmup" / "warmup.json").write_text("{bad")
+    args = train.parse_args(FITS + ["--out", str(tmp_path)])
+    train.load_model(args, torch.device("cpu"))
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"{tmp_path / 'warmup'} was made with unrecorded settings; making a new warm-up for {{'task': 'sort', "
+        f"'digits': [4, 8], 'warmup_steps': 0, 'seed': 0, 'alphabet': '{train.ALPHABET}'}}")
+    assert json.loads((tmp_path / "warmup" / "warmup.json").read_text())["task"] == "sort"
