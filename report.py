@@ -329,7 +329,14 @@ def robust_plan(folder, final_step, budgets):
     if int(ckpt.name.split("-")[1]) != final_step:
         raise ValueError(f"the last checkpoint of {folder!r}, {ckpt.name}, is not its final step {final_step}")
     args = cli.parse_args([])                                   # defaults for keys an older args.json lacks
-    vars(args).update(json.loads((ckpt / "args.json").read_text()))
+    path = ckpt / "args.json"                                   # a damaged one: one line naming it
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read {path} ({error}): --robust-budgets needs the run's settings") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} holds a {type(saved).__name__}, not a run's settings (a JSON object)")
+    vars(args).update(saved)
     policy = "snapkv" if args.policy == "full" else args.policy
     for path in (args.data, args.eval_data):                     # the held-out prompts are rebuilt from them
         if path is not None and not Path(path).is_file():

@@ -454,3 +454,17 @@ def test_the_tail_bins_come_in_context_order_for_the_plot():
     metrics = [dict(bin_size=16, alpha_p05_by_bin=[None, 0.5]), dict(bin_size=16, alpha_p05_by_bin=[0.7, 0.3])]
     tails = report.tail_by_variant({"v": [(metrics, None)]})["v"]
     assert list(tails.items()) == [((0, 15), 0.7), ((16, 31), pytest.approx(0.4))]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{oops", "cannot read {path} (Expecting property name enclosed in double quotes: line 1 column 2 (char 1)): "
+              "--robust-budgets needs the run's settings"),
+    ("[1, 2]", "{path} holds a list, not a run's settings (a JSON object)")], ids=["not-json", "a-list"])
+def test_a_damaged_args_json_is_one_line_naming_it(tmp_path, text, message):
+    # a list was a TypeError traceback from dict.update; bad JSON a bare "error: Expecting property name ..."
+    ckpt = tmp_path / "sparse-s0" / "step-000003"
+    ckpt.mkdir(parents=True)
+    (ckpt / "args.json").write_text(text)
+    with pytest.raises(ValueError) as error:
+        report.robust_plan(tmp_path / "sparse-s0", 3, [20])
+    assert str(error.value) == message.format(path=ckpt / "args.json")
