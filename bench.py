@@ -421,6 +421,11 @@ def main(argv=None):
         check_values(args, unchecked=("deadline",))                   # --deadline inf: no deadline
         check_least(args, 1, ["repeats"])
         check_out_file(args.out or "results/bench.json")              # every default lies in results/; --gpu's too
+        clash = ".json" if args.gpu else ".md"                         # the other file's name: one would overwrite
+        if args.out and Path(args.out).suffix == clash:                # the other, silently
+            raise ValueError(f"--out {args.out!r}: " + ("with --gpu it names the markdown, and the JSON goes beside "
+                             "it as .json: give a .md name" if args.gpu else "it names the JSON, and the tables go "
+                             "beside it as .md: give a .json name (--gpu writes the markdown)"))
     except ValueError as error:
         parser.error(str(error))
     if args.gpu:   # imported here, not at the top: bench_gpu builds on this module

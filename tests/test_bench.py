@@ -467,3 +467,18 @@ def test_random_ids_never_draw_the_pad_id():
     # Pins random_ids' range: ids from 1 (0 is the pad id); a vocabulary of 2 leaves only id 1
     ids = bench.random_ids(dict(vocab=2), 4, 100)
     assert ids.shape == (4, 100) and bool((ids == 1).all())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quick", "--out", "b.md"], "error: --out 'b.md': it names the JSON, and the tables go beside it as "
+                                   ".md: give a .json name (--gpu writes the markdown)"),
+    (["--gpu", "--quick", "--out", "g.json"], "error: --out 'g.json': with --gpu it names the markdown, and "
+                                              "the JSON goes beside it as .json: give a .md name")],
+    ids=["json-as-md", "gpu-markdown-as-json"])
+def test_an_out_that_the_other_file_would_overwrite_is_refused(tmp_path, monkeypatch, capsys, argv, message):
+    # bench.py --gpu --out g.json wrote its markdown there, then the JSON over it: the tables silently gone
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert capsys.readouterr().err.splitlines()[-1].split(": ", 1)[1] == message   # after the program's name
+    assert not any(tmp_path.iterdir())
