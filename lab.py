@@ -161,13 +161,25 @@ def start(n, root=ROOT):
 
 
 def reset(n, root=ROOT):
-    """Put exercise n's original function back, leaving the rest of its file alone; a one-line report."""
+    """Put exercise n's original function back, leaving the rest of its file alone; a one-line report. A version
+    of the student's own (neither the stub nor the original) is first kept in lab/attempt-N[-K].py."""
     ex = exercise(n)
     path, source = working_file(root, ex)
     first, end = function_lines(source, ex.function)
     lines = source.splitlines(keepends=True)
-    path.write_text("".join(lines[:first]) + original_function(root, n) + "".join(lines[end:]))
-    return f"exercise {n} reset: {ex.file}:{ex.function} is the committed function again"
+    current, original = "".join(lines[first:end]), original_function(root, n)
+    kept = ""
+    if current != original and not is_stub(find_function(source, ex.function)):   # else silently lost
+        folder = Path(root) / "lab"
+        folder.mkdir(exist_ok=True)
+        copy = next(folder / f"attempt-{n}{'' if k == 1 else f'-{k}'}.py" for k in range(1, 10 ** 6)
+                    if not (folder / f"attempt-{n}{'' if k == 1 else f'-{k}'}.py").exists())
+        copy.write_text(current)
+        kept = f"; your version is kept in {copy.relative_to(root)}"
+    tmp = path.with_name(path.name + ".lab-tmp")                       # a kill mid-write keeps the file whole
+    tmp.write_text("".join(lines[:first]) + original + "".join(lines[end:]))
+    os.replace(tmp, path)
+    return f"exercise {n} reset: {ex.file}:{ex.function} is the committed function again{kept}"
 
 
 # ----------------------------------------------------------------------------- test, list

@@ -289,3 +289,26 @@ def test_list_says_which_exercises_are_started(repo):
     finally:
         lab.reset(4, repo)
     assert states == ["written", "written", "written", "started (stub)", "written"]
+
+
+def test_reset_keeps_the_students_own_version_before_putting_the_original_back(tmp_path):
+    # reset overwrote a written (uncommitted) body with the original, and the student's work was gone
+    root = tmp_path / "r"
+    root.mkdir()
+    original = (lab.ROOT / "correction.py").read_text()
+    (root / "correction.py").write_text(original)
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "copy"]):
+        subprocess.run(GIT + command, cwd=root, check=True)
+    lab.start(2, root)
+    stub = (root / "correction.py").read_text()
+    written = stub.replace('    raise NotImplementedError("exercise 2', '    return "mine"  # my work\n'
+                           '    raise NotImplementedError("exercise 2', 1)
+    mine = "".join(written.splitlines(keepends=True)[slice(*lab.function_lines(written, "rejection_mask"))])
+    for copy in ("attempt-2.py", "attempt-2-2.py"):                   # a second attempt does not overwrite the first
+        (root / "correction.py").write_text(written)
+        assert lab.reset(2, root) == ("exercise 2 reset: correction.py:rejection_mask is the committed function "
+                                      f"again; your version is kept in lab/{copy}")
+        assert (root / "correction.py").read_text() == original and (root / "lab" / copy).read_text() == mine
+    (root / "correction.py").write_text(stub)                          # a stub is no attempt: nothing kept
+    assert lab.reset(2, root) == "exercise 2 reset: correction.py:rejection_mask is the committed function again"
+    assert sorted(p.name for p in (root / "lab").iterdir()) == ["attempt-2-2.py", "attempt-2.py"]
