@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import distill
+import models
 import schedule as S
+import tasks
 from kvcache import DENSE, KVCache, SparseConfig
 from reference import tiny_model
 from sampler import generate
@@ -706,3 +708,28 @@ def test_a_kill_while_saving_keeps_the_old_schedule_whole(tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         piecewise([0, 16, 32], [8, 12, 16]).save(path)
     assert path.read_text() == old
+
+
+def test_speedup_refuses_dense_layers_past_the_smallest_qwen3(tmp_path, capsys):
+    # --policy blocktopk --dense-layers 99 priced every layer dense: 1.00x in every column, silently
+    piecewise([0, 16], [8, 12]).save(tmp_path / "s.json")
+    with pytest.raises(SystemExit):
+        S.main(["--speedup", str(tmp_path / "s.json"), "--policy", "blocktopk", "--dense-layers", "28"])
+    assert capsys.readouterr().err.splitlines()[-1].split(": ", 1)[1] == ("error: --dense-layers 28: Qwen3-1.7B has 28 "
+                                                        "layers, so block top-k would attend to every token in each; "
+                                                        "give at most 27")
+
+
+def test_calibration_refuses_dense_layers_past_the_warm_ups_layers(tmp_path, capsys):
+    # on the 2-layer toy, --dense-layers 2 calibrated a full cache: every candidate "held", a meaningless schedule
+    tokenizer = tasks.char_tokenizer()
+    models.toy_model(tokenizer).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 6])))
+    with pytest.raises(SystemExit):
+        S.main(["--calibrate", "--model", str(tmp_path), "--policy", "blocktopk", "--dense-layers", "2",
+                "--out", str(tmp_path / "s.json")])
+    assert capsys.readouterr().err.splitlines()[-1].split(": ", 1)[1] == ("error: --dense-layers 2: the model has 2 layers, "
+                                                        "so block top-k would attend to every token in each; give at "
+                                                        "most 1")
+    assert not (tmp_path / "s.json").exists()
