@@ -288,3 +288,31 @@ def check_args(args):
     if (args.schedule or args.controller is not None) and args.steps == 0:
         raise ValueError("--schedule and --controller set the budgets of training's rollouts; --steps 0 evaluates "
                          "fixed budgets (--eval-budgets)")
+
+
+def check_fits(args, model, longest):
+    """What the loaded model and the longest prompt decide about the flags: a ValueError where a cache asked for
+    would silently be a full one (--dense-layers past the model's layers, an --interval no rollout reaches), or
+    where the adapter's rank is wider than every layer (a traceback in torch's allocator at a huge one)."""
+    policies = (args.eval_policies or [args.policy]) if args.steps == 0 else [args.policy]
+    if "blocktopk" in policies:
+        check_dense_layers(args.dense_layers, model.config.num_hidden_layers)
+    if args.distill != "off":
+        distill.check_rank(model, args.lora_rank)
+    if args.schedule or args.controller is not None:                  # their budgets change along the context
+        return
+    longest_row = longest + args.max_new_tokens - 1                   # tokens held at the last decode step
+    for budget in (args.eval_budgets or [args.budget]) if args.steps == 0 else [args.budget]:
+        if any(p not in ("full", "blocktopk") for p in policies) and budget < longest_row < budget + args.interval:
+            raise ValueError(f"--interval {args.interval}: a cache compresses once it holds budget + interval = "
+                             f"{budget + args.interval} tokens, and the longest rollout holds at most {longest_row} "
+                             f"(prompt {longest} + --max-new-tokens {args.max_new_tokens} - 1), so budget {budget} "
+                             f"would never evict: give --interval at most {longest_row - budget}")
+
+
+def check_dense_layers(dense_layers, layers, model="the model"):
+    """A ValueError unless block top-k keeps a layer sparse: with all `layers` of `model` among its first
+    `dense_layers`, every step attends to every token (a dense run under the name blocktopk)."""
+    if dense_layers >= layers:
+        raise ValueError(f"--dense-layers {dense_layers}: {model} has {layers} layers, so block top-k would attend "
+                         f"to every token in each; give at most {layers - 1}")

@@ -50,9 +50,13 @@ def saved_rank(saved):
     return next((v.shape[0] for k, v in saved.items() if k.startswith("A.")), None)
 
 
-def max_rank(model):
-    """The largest LoRA rank that adds anything to some linear layer of `model`'s decoder: max of min(in, out)."""
-    return max(min(m.in_features, m.out_features) for m in model.get_decoder().modules() if isinstance(m, nn.Linear))
+def check_rank(model, rank):
+    """A ValueError unless `rank` is a positive integer no wider than `model`'s widest decoder linear layer
+    (min(in, out)): a wider adapter adds nothing, and a huge one fails in torch's allocator."""
+    most = max(min(m.in_features, m.out_features) for m in model.get_decoder().modules() if isinstance(m, nn.Linear))
+    if not isinstance(rank, int) or not 1 <= rank <= most:
+        raise ValueError(f"the LoRA rank (--lora-rank) must be an integer from 1 to {most} (min(in, out) of the "
+                         f"model's widest linear layer), got {rank!r}")
 
 
 class LoRA(nn.Module):
@@ -67,11 +71,7 @@ class LoRA(nn.Module):
 
     def __init__(self, model, rank, alpha=ALPHA, seed=0):
         super().__init__()
-        if not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"the LoRA rank must be a positive integer, got {rank!r}")
-        if rank > (most := max_rank(model)):                           # before allocating [rank, in] per layer
-            raise ValueError(f"the LoRA rank must be at most {most} (min(in, out) of the model's widest linear "
-                             f"layer), got {rank}")
+        check_rank(model, rank)                                        # before allocating [rank, in] per layer
         self.rank, self.scaling, self.active = rank, alpha / rank, False
         self.A, self.B, self.handles = nn.ParameterDict(), nn.ParameterDict(), []
         generator = torch.Generator().manual_seed(seed)

@@ -172,8 +172,8 @@ def reset(n, root=ROOT):
     if current != original and not is_stub(find_function(source, ex.function)):   # else silently lost
         folder = Path(root) / "lab"
         folder.mkdir(exist_ok=True)
-        copy = next(folder / f"attempt-{n}{'' if k == 1 else f'-{k}'}.py" for k in range(1, 10 ** 6)
-                    if not (folder / f"attempt-{n}{'' if k == 1 else f'-{k}'}.py").exists())
+        names = (f"attempt-{n}.py", *(f"attempt-{n}-{k}.py" for k in range(2, 10 ** 6)))
+        copy = next(folder / name for name in names if not (folder / name).exists())
         copy.write_text(current)
         kept = f"; your version is kept in {copy.relative_to(root)}"
     tmp = path.with_name(path.name + ".lab-tmp")                       # a kill mid-write keeps the file whole

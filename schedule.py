@@ -28,7 +28,7 @@ import torch
 
 import distill
 import tasks
-from cli import check_least, check_out_file, check_values
+from cli import check_dense_layers, check_least, check_out_file, check_values
 from correction import acceptance, dense_logprobs  # alpha = sum_v min(p_a, p_b) (section 4)
 from kvcache import DENSE, POLICIES, SparseConfig
 from models import DTYPES, autocast, load_pretrained, pick_device, toy_settings
@@ -445,10 +445,8 @@ def check_args(args):
         raise ValueError(f"--threshold must lie in [0, 1], got {args.threshold}")
     if args.context > 2 ** 20:         # --speedup sums every 64th decode step's cost: 10 s at 2**20, days at 10**11
         raise ValueError(f"--context must be at most 2**20 = 1048576 tokens, got {args.context}")
-    layers, name = min((c["num_hidden_layers"], n) for n, c in QWEN3.items())
-    if args.speedup and args.policy == "blocktopk" and (args.dense_layers or 0) >= layers:   # else 1.00x everywhere
-        raise ValueError(f"--dense-layers {args.dense_layers}: {name} has {layers} layers, so block top-k would "
-                         f"attend to every token in each; give at most {layers - 1}")
+    if args.speedup and args.policy == "blocktopk" and args.dense_layers is not None:   # else 1.00x everywhere
+        check_dense_layers(args.dense_layers, *min((c["num_hidden_layers"], n) for n, c in QWEN3.items()))
     args.schedule = None                                               # the --speedup schedule, read once
     if args.speedup and not (args.calibrate and Path(args.speedup) == Path(args.out)):   # else: what it writes
         args.schedule = Schedule.load(args.speedup)                    # a bad file, named before a calibration
@@ -486,9 +484,8 @@ def print_calibration(args, p):
         examples = tasks.make_examples(args.warmup["task"], args.prompts, 0, *args.warmup["digits"])
         prompts = [tasks.encode_prompt(tok, e["prompt"]) for e in examples]
         check_length(max(map(len, prompts)), args.max_new_tokens, model.config)   # before the first candidate
-        if args.policy == "blocktopk" and args.dense_layers >= (layers := model.config.num_hidden_layers):
-            raise ValueError(f"--dense-layers {args.dense_layers}: the model has {layers} layers, so block top-k "
-                             f"would attend to every token in each; give at most {layers - 1}")
+        if args.policy == "blocktopk":
+            check_dense_layers(args.dense_layers, model.config.num_hidden_layers)
     except ValueError as error:
         p.error(str(error))
     candidates, threshold = args.candidates, args.threshold

@@ -42,7 +42,7 @@ from tqdm import tqdm
 import correction as C
 import distill
 import schedule as S
-from cli import TRAINING_ONLY, check_args, parse_args
+from cli import TRAINING_ONLY, check_args, check_fits, parse_args
 from evaluate import eval_both, evaluate_only, rewards_of, run_reward
 from kvcache import SparseConfig
 from models import (autocast, checkpoint_args, last_checkpoint, load_checkpoint, load_pretrained, pick_device,
@@ -242,29 +242,6 @@ def update(model, opt, rollouts, logp_old, advantages, mask, weights, logp_ref, 
 
 
 # ----------------------------------------------------------------------------- the run
-
-def check_fits(args, model, longest):
-    """What the loaded model and the longest prompt decide about the flags: a ValueError where a cache asked for
-    would silently be a full one (--dense-layers past the model's layers, an --interval no rollout reaches), or
-    where the adapter's rank is wider than every layer (a traceback in torch's allocator at a huge one)."""
-    policies = (args.eval_policies or [args.policy]) if args.steps == 0 else [args.policy]
-    layers = model.config.num_hidden_layers
-    if "blocktopk" in policies and args.dense_layers >= layers:
-        raise ValueError(f"--dense-layers {args.dense_layers}: the model has {layers} layers, so block top-k would "
-                         f"attend to every token in each; give at most {layers - 1}")
-    if args.distill != "off" and args.lora_rank > (most := distill.max_rank(model)):
-        raise ValueError(f"--lora-rank must be at most {most} (min(in, out) of the model's widest linear layer), "
-                         f"got {args.lora_rank}")
-    if args.schedule or args.controller is not None:                  # their budgets change along the context
-        return
-    longest_row = longest + args.max_new_tokens - 1                   # tokens held at the last decode step
-    for budget in (args.eval_budgets or [args.budget]) if args.steps == 0 else [args.budget]:
-        if any(p not in ("full", "blocktopk") for p in policies) and budget < longest_row < budget + args.interval:
-            raise ValueError(f"--interval {args.interval}: a cache compresses once it holds budget + interval = "
-                             f"{budget + args.interval} tokens, and the longest rollout holds at most {longest_row} "
-                             f"(prompt {longest} + --max-new-tokens {args.max_new_tokens} - 1), so budget {budget} "
-                             f"would never evict: give --interval at most {longest_row - budget}")
-
 
 def threads(args):
     """CPU threads for torch: --threads, else one for the toy model, since a second thread helps it alone (the

@@ -260,8 +260,9 @@ def test_theta_and_phi_each_move_only_in_their_own_step(warm, monkeypatch):
 
 def test_a_rank_wider_than_every_layer_is_refused_before_allocating():
     model = models.toy_model(tasks.char_tokenizer())                  # 128 wide: min(in, out) at most 128
-    assert distill.max_rank(model) == 128
-    with pytest.raises(ValueError) as error:
-        distill.LoRA(model, 129)
-    assert str(error.value) == ("the LoRA rank must be at most 128 (min(in, out) of the model's widest linear layer), "
-                                "got 129")
+    assert distill.LoRA(model, 128).rank == 128
+    for rank in (129, 0, 2.5):
+        with pytest.raises(ValueError) as error:
+            distill.LoRA(model, rank)
+        assert str(error.value) == ("the LoRA rank (--lora-rank) must be an integer from 1 to 128 (min(in, out) of "
+                                    f"the model's widest linear layer), got {rank}")

@@ -8,10 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import cli
 import models
 import schedule as S
 import train
 from kvcache import SparseConfig
+from sampler import generate
 from evaluate import accuracy, eval_rewards
 from correction import ALPHA_TOPK
 from tasks import char_tokenizer, encode_prompt, make_examples, reward_fn
@@ -772,16 +774,20 @@ def test_an_interval_no_rollout_reaches_is_refused_not_a_dense_run(tmp_path):
                                     "- 1), so budget 10 would never evict: give --interval at most 10")
     assert not (tmp_path / "metrics.jsonl").exists()
     model = models.toy_model(char_tokenizer())
-    assert train.check_fits(train.parse_args(FITS + ["--interval", "10"]), model, 11) is None
-    assert train.check_fits(train.parse_args(FITS + ["--budget", "20", "--interval", "99"]), model, 11) is None  # holds all
+    assert cli.check_fits(train.parse_args(FITS + ["--interval", "10"]), model, 11) is None
+    for interval, compresses in ((10, True), (11, False)):           # the boundary, as the sampler has it
+        sparse = SparseConfig("snapkv", budget=10, interval=interval, window=2)
+        out = generate(model, [list(range(3, 14))], sparse, max_new_tokens=10)   # 11 tokens, never an EOS
+        assert (out.stats["compressions"] > 0) == compresses
+    assert cli.check_fits(train.parse_args(FITS + ["--budget", "20", "--interval", "99"]), model, 11) is None  # holds all
 
 
 def test_a_lora_rank_wider_than_the_model_is_one_line_not_an_allocator_traceback(tmp_path):
     # --distill kl --lora-rank 1000000000: torch tried to allocate 512 GB, a RuntimeError traceback
     with pytest.raises(SystemExit) as exit_info:
         train.main(FITS + ["--distill", "kl", "--lora-rank", "1000000000", "--out", str(tmp_path)])
-    assert str(exit_info.value) == ("error: --lora-rank must be at most 128 (min(in, out) of the model's widest "
-                                    "linear layer), got 1000000000")
+    assert str(exit_info.value) == ("error: the LoRA rank (--lora-rank) must be an integer from 1 to 128 (min(in, "
+                                    "out) of the model's widest linear layer), got 1000000000")
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
