@@ -80,7 +80,7 @@ class SparseConfig:
                 raise ValueError(f"{name} must be at most 2**40 (DENSE: never evicts), got {getattr(self, name)}")
         budget = min([self.budget] if self.schedule is None else [b for b in self.schedule.budgets if b],
                      default=self.min_budget)
-        if budget < self.min_budget:
+        if budget < self.min_budget and self.policy != "full":             # full keeps everything: no budget
             raise ValueError(f"budget={budget} must be >= " + (f"page_size = {self.page_size}" if
                              self.policy == "blocktopk" else f"window + sink = {self.window} + {self.sink}"))
         if self.kernel % 2 == 0:

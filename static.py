@@ -46,6 +46,7 @@ Speed, side by side in one run (random Llama weights, greedy, each pair interlea
 """
 import argparse
 import gc
+import os
 import statistics
 import time
 from unittest.mock import patch
@@ -360,6 +361,19 @@ def print_step_times(model, prompts, configs, args):
               f"{1e3 * collector[p].seconds / len(seconds[p]):4.2f} a step, {collector[p].full} full collections")
 
 
+def check_prefill_fits(shape, batch, prompt, dtype, device):
+    """A ValueError naming the sizes when the prefill's KV cache alone, which every policy holds whole before its
+    first compression (2 x layers x kv heads x head dim x batch x prompt), exceeds the device's memory: found
+    now, not as an allocator's traceback (or minutes of random ids) once a model is built."""
+    head_dim = shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
+    need = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * batch * prompt * dtype.itemsize
+    has = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else
+           os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else float("inf"))
+    if need > has:
+        raise ValueError(f"--batch {batch} x --prompt {prompt}: the prefill's KV cache alone is {need / 2**30:.0f} "
+                         f"GiB in {dtype}, and this {device.type} has {has / 2**30:.0f} GiB")
+
+
 def main(argv=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -400,9 +414,10 @@ def main(argv=None):
         device = pick_device(args.device)
         configs = {policy: SparseConfig(policy, budget=args.budget, interval=args.interval)
                    for policy in args.policies.split(",")}                # a policy named twice runs once
+        dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
+        check_prefill_fits(SHAPES[args.shape], args.batch, args.prompt, dtype, device)
     except (RuntimeError, ValueError) as error:
         p.error(str(error))
-    dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     torch.manual_seed(0)
     longest = args.prompt + max(args.new, 3 * args.interval, args.profile)   # --count-ops: 3 intervals
     config = LlamaConfig(max_position_embeddings=longest + 1, **SHAPES[args.shape])

@@ -290,6 +290,13 @@ def test_bad_config_is_a_clear_error(kwargs, message):
         SparseConfig(**kwargs)
 
 
+def test_the_full_cache_takes_any_budget_it_never_uses():
+    # evaluate.py --policy full --budget 3 was refused: "budget=3 must be >= window + sink", of a cache that keeps all
+    assert SparseConfig("full", budget=3, window=50).budget == 3
+    with pytest.raises(ValueError, match="budget=3 must be >= window \\+ sink = 50 \\+ 4"):
+        SparseConfig("snapkv", budget=3, window=50)
+
+
 def test_a_cache_is_named_as_the_tables_print_it():
     # train.py's summary and an evaluation's rows: a DENSE budget (2**40) reads "never evicts", not 1099511627776
     assert SparseConfig().name == "full cache, nothing evicted"

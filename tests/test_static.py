@@ -486,6 +486,8 @@ def test_a_budget_or_interval_up_to_dense_passes_the_checks(monkeypatch):
     (["--policies", "blocktopk", "--budget", "4"], "budget=4 must be >= page_size = 16"),
     (["--device", "gpu"], "device type at start of device string: gpu"),
     (["--prompt", str(2 ** 63)], f"--prompt must be < 2**31, got {2 ** 63}"),       # was: an OverflowError traceback
+    (["--prompt", "2000000000", "--dtype", "float32"], "--batch 8 x --prompt 2000000000: the prefill's KV cache "
+     "alone is 122070 GiB in torch.float32, and this cpu has"),   # 2 x 8 x 2 x 64 x 8 x 2e9 x 4 B: was a traceback
     (["--count-ops", "--step-times"], "runs of their own, each alone: got --count-ops --step-times"),   # one was
     (["--step-times", "--hf"], "runs of their own, each alone: got --step-times --hf"),         # silently dropped
     (["--count-ops", "--profile", "8"], "runs of their own, each alone: got --count-ops --profile"),
