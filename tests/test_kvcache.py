@@ -93,6 +93,16 @@ def test_prompts_shorter_than_the_window_score_with_their_last_window_queries(po
     check_against_one_prompt_reference(sparse, lengths=(4, 2, 3), new_tokens=10)
 
 
+def test_a_compressing_step_attends_the_compressed_cache():
+    # docs/method.md section 2: compress, then attend (the R-KV repository attends first). A row of 5 prompt tokens,
+    # budget 8, interval 4: the step of its 12th token compresses to 8 and attends those 8; no step attends 12
+    sparse = SparseConfig("snapkv", budget=8, interval=4, window=2, sink=2, kernel=3)
+    q, k, v, pos, P = random_steps(prompt_lens=(5, 5, 5), new_tokens=16)
+    cache, _ = run_cache(sparse, q, k, v, pos, P)
+    attended = [int((step[0, 0] >= 0).sum()) for step in cache.history[0]]
+    assert attended == [5, 6, 7, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9]
+
+
 def test_streaming_keeps_sink_and_most_recent():
     sparse = SparseConfig("streaming", budget=6, interval=1, window=2, sink=2)
     q, k, v, pos, P = random_steps(prompt_lens=(5, 5, 5), new_tokens=10)
