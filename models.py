@@ -303,6 +303,13 @@ def load_checkpoint(folder, device, dtype):
     return model.to(device).eval(), state
 
 
+def write_text_atomically(path, text):
+    """Write `text` to a file beside `path`, then rename it onto `path`: a kill mid-write keeps the old file whole."""
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def save_atomically(folder, write):
     """Run write(tmp_folder), then rename it to `folder`: a kill at any moment leaves either the old
     folder or the new one whole, never half of one. The temporary name is unique (two writers never

@@ -18,7 +18,6 @@ What is notable here:
 import argparse
 import json
 import math
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from itertools import accumulate
@@ -31,7 +30,7 @@ import tasks
 from cli import check_dense_layers, check_least, check_out_file, check_values
 from correction import acceptance, dense_logprobs  # alpha = sum_v min(p_a, p_b) (section 4)
 from kvcache import DENSE, POLICIES, SparseConfig
-from models import DTYPES, autocast, load_pretrained, pick_device, toy_settings
+from models import DTYPES, autocast, load_pretrained, pick_device, toy_settings, write_text_atomically
 from policies import RESERVED_PAGES
 from sampler import check_length, generate
 
@@ -80,9 +79,7 @@ class Schedule:
 
     def save(self, path):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(path).with_name(Path(path).name + ".tmp")           # a kill mid-write keeps an old schedule whole
-        tmp.write_text(json.dumps({"bins": list(self.bins), "budgets": list(self.budgets)}) + "\n")
-        os.replace(tmp, path)
+        write_text_atomically(path, json.dumps({"bins": list(self.bins), "budgets": list(self.budgets)}) + "\n")
 
     @staticmethod
     def load(path):

@@ -27,7 +27,6 @@ held-out prompts, dense and through the rollout cache: evaluate.py), checkpoints
 """
 import copy
 import json
-import os
 import random
 import sys
 import time
@@ -46,7 +45,7 @@ from cli import TRAINING_ONLY, check_args, check_fits, parse_args
 from evaluate import eval_both, evaluate_only, rewards_of, run_reward
 from kvcache import SparseConfig
 from models import (autocast, checkpoint_args, last_checkpoint, load_checkpoint, load_pretrained, pick_device,
-                    save_atomically, save_checkpoint, set_aside, toy_model, warm_up)
+                    save_atomically, save_checkpoint, set_aside, toy_model, warm_up, write_text_atomically)
 from sampler import check_length, clock, generate
 from tasks import (ALPHABET, char_tokenizer, encode_prompt, held_out_examples, load_jsonl, longest_prompt_chars,
                    make_examples)
@@ -261,9 +260,7 @@ def truncate_log(path, last_step):
                     lines.append(line)
             except (json.JSONDecodeError, KeyError, TypeError):
                 pass
-        tmp = path.with_name(path.name + ".tmp")                       # a kill mid-write keeps the old log whole
-        tmp.write_text("".join(l + "\n" for l in lines))
-        os.replace(tmp, path)
+        write_text_atomically(path, "".join(l + "\n" for l in lines))   # a kill mid-write keeps the old log
 
 
 def main(argv=None):
