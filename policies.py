@@ -210,7 +210,9 @@ def top_pages(layer, query, plan, pos):
     q = query.float().unflatten(1, (sums.shape[1], -1)).mean(2)           # [B, H_kv, 1, D]
     # (a row vector times the page sums: a batched matrix-vector product is several times slower on a CPU)
     score = (q @ sums.transpose(-1, -2))[:, :, 0] / plan.tokens + plan.bias   # mean key . query [B, H_kv, n]
-    ranked = score.topk(plan.chosen.shape[-1], dim=-1).indices            # [B, H_kv, k], best first
+    # A stable sort, not topk: topk orders tied scores (frequent in bf16) by its k and the buffer's length, both
+    # set by the batch's most generous row, so a row's pages would depend on its batch-mates. Ties: earlier page.
+    ranked = score.sort(dim=-1, descending=True, stable=True).indices[..., :plan.chosen.shape[-1]]   # [B, H_kv, k]
     slot = (ranked * layer.page_size)[..., None] + plan.offset           # [B, H_kv, k, page_size]
     seen = (plan.chosen[..., None] & (slot < size)).flatten(2)           # [B, H_kv, k * page_size]
     index = slot.flatten(2).clamp(max=size - 1)

@@ -13,6 +13,7 @@ import torch
 
 import sampler
 import schedule
+import test_policies
 import train
 from correction import dense_logprobs
 from kvcache import KVCache, SparseConfig
@@ -112,6 +113,12 @@ def test_captured_graph_equals_eager_in_fp32(monkeypatch, policy):
         assert torch.equal(graph.tokens, eager.tokens)
         assert (graph.logprobs - eager.logprobs).abs().max() < 1e-4
     assert DEVICE.type != "cuda" or len(replays) >= 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_pages_do_not_depend_on_its_batch_mates_on_the_device(dtype):
+    # CUDA's sort and topk are other kernels than the CPU's: block top-k's tie rule (a stable sort) checked there
+    test_policies.test_a_rows_pages_do_not_depend_on_its_batch_mates(dtype, DEVICE)
 
 
 def test_dense_logprobs_equal_the_samplers_with_a_full_cache():
