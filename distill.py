@@ -34,7 +34,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AttentionInterface
 
 import correction as C
@@ -54,7 +55,7 @@ def check_rank(model, rank):
     """A ValueError unless `rank` is a positive integer no wider than `model`'s widest decoder linear layer
     (min(in, out)): a wider adapter adds nothing, and a huge one fails in torch's allocator."""
     most = max(min(m.in_features, m.out_features) for m in model.get_decoder().modules() if isinstance(m, nn.Linear))
-    if not isinstance(rank, int) or not 1 <= rank <= most:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= most:
         raise ValueError(f"the LoRA rank (--lora-rank) must be an integer from 1 to {most} (min(in, out) of the "
                          f"model's widest linear layer), got {rank!r}")
 
@@ -72,7 +73,9 @@ class LoRA(nn.Module):
     def __init__(self, model, rank, alpha=ALPHA, seed=0):
         super().__init__()
         check_rank(model, rank)                                        # before allocating [rank, in] per layer
-        self.rank, self.scaling, self.active = rank, alpha / rank, False
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < math.inf:
+            raise ValueError(f"the LoRA alpha must be a positive number (Sparrow's: {ALPHA}), got {alpha!r}")
+        self.rank, self.alpha, self.scaling, self.active = rank, alpha, alpha / rank, False
         self.A, self.B, self.handles = nn.ParameterDict(), nn.ParameterDict(), []
         generator = torch.Generator().manual_seed(seed)
         for name, linear in model.get_decoder().named_modules():
@@ -99,32 +102,55 @@ class LoRA(nn.Module):
         finally:
             self.active = False
 
+    def tensors(self):
+        """{"A.<layer>": A, "B.<layer>": B}: what a file holds."""
+        return {f"{part}.{key}": p for part, params in (("A", self.A), ("B", self.B)) for key, p in params.items()}
+
     def save(self, path):
-        save_file({f"{part}.{key}": p.detach().contiguous() for part, params in (("A", self.A), ("B", self.B))
-                   for key, p in params.items()}, str(path))
+        """A and B as safetensors, alpha in the file's metadata: the same alpha / rank comes back."""
+        save_file({k: p.detach().contiguous() for k, p in self.tensors().items()}, str(path),
+                  metadata={"alpha": repr(self.alpha)})
+
+    @staticmethod
+    def read(path):
+        """(tensors, alpha) of the adapter file at `path`; alpha is Sparrow's where the file names none."""
+        with safe_open(str(path), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, float((f.metadata() or {}).get("alpha", ALPHA))
 
     @staticmethod
     def from_file(model, path):
-        """The adapter saved at `path` (its rank read from the file), attached to `model`; a ValueError naming the
-        file where it is no adapter of this model."""
+        """The adapter saved at `path` (its rank and alpha read from the file), attached to `model`; a ValueError
+        naming the file where it is no adapter of this model."""
         try:
-            lora = LoRA(model, rank=saved_rank(load_file(str(path))))
+            saved, alpha = LoRA.read(path)
+            lora = LoRA(model, rank=saved_rank(saved), alpha=alpha)
             lora.load(path)
-        except Exception as error:   # safetensors' own error type, a missing key, another model's shapes
+        except Exception as error:   # safetensors' own error type, another model's layers or shapes
             raise ValueError(f"{path} is not a DistillSparse adapter of this model (adapter.safetensors of a "
                              f"train.py --distill checkpoint): {type(error).__name__}: {error}") from None
         return lora
 
     def load(self, path):
-        """Put the adapter saved at `path` in place; a ValueError naming the file where its rank differs (copy_
-        would broadcast a rank-1 file into a rank-8 adapter without a word)."""
-        saved = load_file(str(path))
+        """Put the adapter saved at `path` in place; a ValueError naming the file unless it holds this adapter's
+        rank, alpha, layers and shapes (copy_ would broadcast an A of [rank, 1] into [rank, in] without a word)."""
+        try:
+            saved, alpha = LoRA.read(path)
+        except Exception as error:   # not a safetensors file, or a truncated one
+            raise ValueError(f"cannot read {path}: {type(error).__name__}: {error}") from None
+        mine = self.tensors()
         if (rank := saved_rank(saved)) != self.rank:
-            raise ValueError(f"{path} holds a rank-{rank} adapter, this one has rank {self.rank}")
+            raise ValueError(f"{path} holds a rank-{rank} adapter, this one has rank {self.rank} (train.py: resume "
+                             "with the --lora-rank it was trained with)")
+        if alpha != self.alpha:
+            raise ValueError(f"{path} holds an adapter of alpha {alpha}, this one has alpha {self.alpha}")
+        for k, p in mine.items():   # the same layers in the same shapes, nothing more
+            if k not in saved or saved[k].shape != p.shape:
+                raise ValueError(f"{path} holds an adapter of another model: no {k} of shape {list(p.shape)}")
+        if len(saved) != len(mine):
+            raise ValueError(f"{path} holds an adapter of another model: {len(saved)} tensors, this one {len(mine)}")
         with torch.no_grad():
-            for part, params in (("A", self.A), ("B", self.B)):
-                for key, p in params.items():
-                    p.copy_(saved[f"{part}.{key}"])
+            for k, p in mine.items():
+                p.copy_(saved[k])
 
 
 # ----------------------------------------------------------------------------- the sparse training forward

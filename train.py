@@ -402,8 +402,8 @@ def restore(state, ckpt, args, opt, lora, lora_opt, controller):
             sys.exit(f"error: {ckpt} holds no DistillSparse adapter; resume it without --distill")
         try:
             lora.load(ckpt / "adapter.safetensors")
-        except ValueError as error:
-            sys.exit(f"error: {error}: resume with the --lora-rank it was trained with")
+        except ValueError as error:                                    # another rank, or a damaged file
+            sys.exit(f"error: {error}")
         lora_opt.load_state_dict(state["lora_optimizer"])
         for group in lora_opt.param_groups:
             group["lr"] = args.lr * args.lora_lr_scale

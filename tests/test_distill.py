@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import distill
 import models
@@ -26,9 +27,9 @@ CONFIGS = {"streaming": SparseConfig("streaming", budget=8, interval=3, window=2
            "blocktopk": SparseConfig("blocktopk", budget=4, page_size=4, dense_layers=1)}
 
 
-def moved_adapter(model, seed=0):
+def moved_adapter(model, seed=0, alpha=distill.ALPHA):
     """An adapter whose B is no longer zero, as after some training."""
-    lora = distill.LoRA(model, rank=4)
+    lora = distill.LoRA(model, rank=4, alpha=alpha)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in lora.B.values():
@@ -261,8 +262,45 @@ def test_theta_and_phi_each_move_only_in_their_own_step(warm, monkeypatch):
 def test_a_rank_wider_than_every_layer_is_refused_before_allocating():
     model = models.toy_model(tasks.char_tokenizer())                  # 128 wide: min(in, out) at most 128
     assert distill.LoRA(model, 128).rank == 128
-    for rank in (129, 0, 2.5):
+    for rank in (129, 0, 2.5, True):                                   # True is no rank 1
         with pytest.raises(ValueError) as error:
             distill.LoRA(model, rank)
         assert str(error.value) == ("the LoRA rank (--lora-rank) must be an integer from 1 to 128 (min(in, out) of "
                                     f"the model's widest linear layer), got {rank}")
+    for alpha in (0, -16, float("nan"), float("inf"), "16", True):    # 0: an adapter that never learns (B's grad 0)
+        with pytest.raises(ValueError, match=rf"^the LoRA alpha must be a positive number \(Sparrow's: 16\), got "):
+            distill.LoRA(model, 8, alpha=alpha)
+
+
+def test_an_adapter_file_keeps_its_alpha(tmp_path):
+    # the update is (alpha / rank) B A x: a file loaded back with another alpha would compute another function
+    model, fresh = tiny_model("llama"), tiny_model("llama")
+    lora = moved_adapter(model, alpha=8)
+    lora.save(tmp_path / "adapter.safetensors")
+    again = distill.LoRA.from_file(fresh, tmp_path / "adapter.safetensors")
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad(), lora.on(), again.on():
+        assert again.alpha == 8 and torch.equal(fresh(ids).logits, model(ids).logits)
+    with pytest.raises(ValueError, match="holds an adapter of alpha 8.0, this one has alpha 16$"):
+        distill.LoRA(tiny_model("llama"), lora.rank).load(tmp_path / "adapter.safetensors")
+    save_file({k: p.detach() for k, p in lora.tensors().items()}, str(tmp_path / "old.safetensors"))   # no metadata
+    assert distill.LoRA.from_file(tiny_model("llama"), tmp_path / "old.safetensors").alpha == 16   # written before
+
+
+def test_loading_refuses_another_models_adapter_and_a_damaged_file(tmp_path):
+    # copy_ broadcasts: without the checks, a 4-layer file filled a 2-layer adapter (layers 2-3 dropped) and an
+    # A cut to [rank, 1] filled [rank, in] with one value per row, with no error
+    path = tmp_path / "adapter.safetensors"
+    distill.LoRA(tiny_model("llama", num_hidden_layers=4), 4).save(path)
+    with pytest.raises(ValueError, match="adapter.safetensors holds an adapter of another model: 56 tensors, this "
+                                         "one 28"):
+        distill.LoRA(tiny_model("llama"), 4).load(path)
+    lora = distill.LoRA(tiny_model("llama"), 4)
+    tensors = {k: p.detach().clone() for k, p in lora.tensors().items()}
+    tensors["A.layers/0/self_attn/k_proj"] = tensors["A.layers/0/self_attn/k_proj"][:, :1].contiguous()
+    save_file(tensors, str(path), metadata={"alpha": "16"})
+    with pytest.raises(ValueError, match=r"another model: no A.layers/0/self_attn/k_proj of shape \[4, 64\]$"):
+        lora.load(path)
+    path.write_bytes(path.read_bytes()[:100])                          # a truncated file
+    with pytest.raises(ValueError, match="^cannot read .*adapter.safetensors: "):
+        lora.load(path)

@@ -618,7 +618,7 @@ def test_restore_puts_back_every_piece_of_trainer_state(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(lora.parameters(), lora2.parameters()))
     for rank in (1, 4):   # an adapter of another --lora-rank: one line naming both ranks (rank 1 would broadcast)
         with pytest.raises(SystemExit, match=f"^error: .*adapter.safetensors holds a rank-2 adapter, this one has "
-                                             f"rank {rank}: resume with the --lora-rank it was trained with$"):
+                                             f"rank {rank} \\(train.py: resume with the --lora-rank it was trained with\\)$"):
             train.restore(state, tmp_path, args, opt2, distill.LoRA(model, rank), lora_opt2, controller)
 
 
