@@ -34,7 +34,6 @@ Usage
     numeric_reward("... so she makes $18.\\n#### 18", data[0]["answer"])  # 1.0
 """
 import json
-import math
 import random
 import re
 from dataclasses import dataclass
@@ -249,13 +248,15 @@ ANSWER_INSTRUCTION = 'Let\'s think step by step and output the final answer afte
 
 # What a data file's final answer may be: 72, -3, 2.50, 1,234 (commas only between groups of three digits)
 NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
-# The number a final answer starts with: a sign, maybe a dollar sign ("-$5", "$-5"), then 1,234.5 (commas
-# only between groups of three digits), 72, 2.50 or .5; never followed by more digits or by ",5" ("1,5"
-# is no number we can read: not 15, not 1.5), nor by an operator and a number ("3/4", "2^10", "3 * 4",
-# "18 - 5", "18 − 5", "1e3" are not 3, 2, 3, 18, 18 or 1; "#### 18" with "- 5" on the next line is 18: the
-# marker's answer ends with its line).
-_LEADING_NUMBER = re.compile(r"\s*(-?)\s*\$?\s*(-?)\s*(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
-                             r"(?![\d,]*,\d|\d|\.\d|\s*[*/^×]\s*\.?\d|\s*[-+−–]\s*\$?\.?\d|[eE][+-]?\d)")
+# The number a final answer starts with: a sign ("-" or "−"), maybe a dollar sign ("-$5", "$-5"), then 1,234.5
+# (commas only between groups of three digits), 72, 2.50 or .5; never followed by more digits, by ",5" or a
+# closing "," ("1,5" is no number we can read: not 15, not 1.5; "1," is "1,000" cut short), by " 000" ("1 000"),
+# nor by an operator and a number ("3/4", "7 1/2", "2^10", "10**3", "3 * 4", "3 x 4", "3·4", "18 - 5", "18 − 5",
+# "1e3" are none of 3, 7, 2, 10, 3, 3, 3, 18, 18 or 1; "#### 18" with "- 5" on the next line is 18: the marker's
+# answer ends with its line).
+_LEADING_NUMBER = re.compile(r"\s*([-−]?)\s*\$?\s*([-−]?)\s*(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+                             r"(?![\d,]*,\d|\d|\.\d|,\s*$|[ \u00a0\u202f]\d{3}(?!\d)|\s+\d+/\d"
+                             r"|\s*(?:\*\*|[*/^×·x])\s*\.?\d|\s*[-+−–]\s*\$?\.?\d|[eE][+-]?\d)")
 
 
 def _braced(text, start):
@@ -272,7 +273,7 @@ def _plain(text):
     """A final answer without its LaTeX and markdown: \\text{72}, 1{,}000, \\$72, **72** -> 72, 1,000, $72, 72.
     Only paired emphasis goes: the `*` of "3*4" is a product, kept (and then no number is read)."""
     text = text.replace("{,}", ",").replace("\\$", "$").replace("\\!", "").replace("\\,", "")
-    text = re.sub(r"(?<!\d)(\*{1,2})([^*]+)\1(?!\d)", r"\2", text)
+    text = re.sub(r"(?<!\d)(\*{1,2})(?=[^\s*])([^*]*[^\s*])\1(?!\d)", r"\2", text)
     return re.sub(r"\\(?:text|textbf|mathrm)\{([^{}]*)\}", r"\1", text)
 
 
@@ -285,7 +286,7 @@ def extract_answer(completion):
     asked for the marker, and guessing the last number would reward intermediate results (verl's
     "strict" GSM8K rule).
     """
-    markers = [(m.start(), m.group(1)) for m in re.finditer(r"####([^\n]*)", completion)]
+    markers = [(m.start(), m.group(1)) for m in re.finditer(r"####((?:(?!####)[^\n])*)", completion)]
     markers += [(m.start(), _braced(completion, m.end())) for m in re.finditer(r"\\boxed\{", completion)]
     if not markers:
         return None
@@ -293,19 +294,19 @@ def extract_answer(completion):
     number = _LEADING_NUMBER.match(_plain(text)) if text is not None else None
     if not number:
         return None
-    sign = -1.0 if "-" in number.group(1) + number.group(2) else 1.0
+    sign = -1.0 if number.group(1) or number.group(2) else 1.0         # a minus before or after the "$"
     return sign * float(number.group(3).replace(",", ""))
 
 
 def numeric_reward(completion, answer):
     """1.0 if the completion's final answer equals the number `answer`, else 0.0.
 
-    Compared as numbers ("2.50" == "2.5", "-3" == "-3.0"); the tolerance only absorbs float
-    rounding, it does not forgive a model's own rounding.
+    Compared as numbers ("2.50" == "2.5", "-3" == "-3.0"), exactly: both sides are parsed from decimal text,
+    which gives the same float for the same number, so no tolerance is needed and none forgives a near miss
+    (1000000001 is not 1000000000). `answer`: text ("1,080") or a number.
     """
     predicted = extract_answer(completion)
-    expected = float(answer.replace(",", ""))
-    return float(predicted is not None and math.isclose(predicted, expected, rel_tol=1e-9, abs_tol=1e-6))
+    return float(predicted is not None and predicted == float(str(answer).replace(",", "")))
 
 
 def load_jsonl(path):
@@ -324,13 +325,13 @@ def load_jsonl(path):
         raise ValueError(f"{path}: no such data file" + (" (GSM8K: README \"A real model on your CPU\" says where "
                          "to get train.jsonl and test.jsonl)" if "gsm8k" in str(path).lower() else ""))
     examples = []
-    try:
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, start=1):
-                if line.strip():
-                    examples.append(_parse_line(line, f"{path}, line {number}"))
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path}: not UTF-8 text (byte {error.start} of the file)") from None
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path}, line {number}: not UTF-8 text (byte {error.start + 1} of the line)") from None
+        if line.strip():
+            examples.append(_parse_line(line, f"{path}, line {number}"))
     if not examples:
         raise ValueError(f"{path}: the file holds no examples")
     return examples

@@ -267,6 +267,24 @@ def test_encode_target_is_the_answer_then_eos():
     ("#### 18\n- 5 left over", "18", 1.0),                     # the marker's answer ends with its line
     ("#### 18 -", "18", 1.0),
     ("#### -5 + 0", "-5", 0.0),
+    ("#### 18 #### 19", "19", 1.0),                            # two markers on a line: the last counts there too
+    ("#### 7\n#### 8 #### 9", "9", 1.0),
+    ("#### 2 * 3 * 4 = 24", "2", 0.0),                       # a spaced product is no emphasis: not 2 (was 1.0)
+    ("#### 5 * 3 * 2", "5", 0.0),
+    ("#### 10**3", "10", 0.0),                                # other ways to write a power or a product
+    ("#### 2 ** 3", "2", 0.0),
+    ("#### 3 x 4", "3", 0.0),
+    ("#### 3·4", "3", 0.0),
+    ("#### 7 1/2", "7", 0.0),                                 # a mixed number
+    ("#### 1 000", "1", 0.0),                                 # a space between thousands: not 1,
+    ("#### 1\u202f000", "1", 0.0),
+    ("#### 1,", "1", 0.0),                                    # "1,000" cut short by max_new_tokens
+    ("#### 1, so it is", "1", 1.0),                           # a comma that ends a clause
+    ("#### −18", "-18", 1.0),                                 # Unicode's minus as a sign
+    ("\\boxed{−18}", "-18", 1.0),
+    ("#### 1000000000", "1000000001", 0.0),                   # no tolerance: a near miss is a miss
+    ("#### 0", "0.0000005", 0.0),
+    ("#### 5", 5, 1.0),                                       # the answer as a number
 ])
 def test_numeric_reward_hand_cases(completion, answer, expected):
     assert numeric_reward(completion, answer) == expected
@@ -349,8 +367,11 @@ def test_a_numeric_answer_is_read_and_a_file_not_in_utf8_is_named(tmp_path):
     examples = load_jsonl(path)
     assert [e["answer"] for e in examples] == ["72", "-2.5", "10000000000000000", "2"]
     assert examples[0]["prompt"] == "q\n" + tasks.ANSWER_INSTRUCTION and examples[1]["prompt"] == "p"   # as any line
-    (tmp_path / "latin.jsonl").write_bytes('{"question": "caf\u00e9?", "answer": "1"}'.encode("latin-1"))
-    with pytest.raises(ValueError, match="latin.jsonl: not UTF-8 text"):
+    # the line and the byte in it, counted by hand: `{"question": "caf` is 17 bytes, the latin-1 e-acute the 18th
+    # (the file's offset was the decoder's chunk's: "byte 2837 of the file" for a bad byte 27413 bytes in)
+    good = '{"question": "cafe?", "answer": "1"}\n' * 2000
+    (tmp_path / "latin.jsonl").write_bytes((good + '{"question": "caf\u00e9?", "answer": "1"}').encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin.jsonl, line 2001: not UTF-8 text \(byte 18 of the line\)$"):
         load_jsonl(tmp_path / "latin.jsonl")
 
 @pytest.mark.parametrize("content", ["", "\n  \n"])
