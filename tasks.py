@@ -163,8 +163,8 @@ def make_examples(task, n, seed, min_digits=None, max_digits=None):
     spec = get_task(task)
     min_digits = spec.lengths[0] if min_digits is None else min_digits
     max_digits = spec.lengths[1] if max_digits is None else max_digits
-    if not 1 <= min_digits <= max_digits:
-        raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits} and {max_digits}")
+    if not (isinstance(min_digits, int) and isinstance(max_digits, int) and 1 <= min_digits <= max_digits):
+        raise ValueError(f"need integers 1 <= min_digits <= max_digits, got {min_digits!r} and {max_digits!r}")
     # A private generator: the examples neither depend on nor disturb the global random state.
     rng = random.Random(seed)
     examples = []

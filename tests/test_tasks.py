@@ -93,8 +93,8 @@ def test_answers_match_an_independent_computation(task):
 def test_lengths_are_configurable():
     examples = make_examples("reverse", 100, seed=0, min_digits=3, max_digits=5)
     assert {len(digits_of(e["prompt"], "reverse")) for e in examples} == {3, 4, 5}
-    for low in (6, 0):                                                 # min > max, or no digit at all
-        with pytest.raises(ValueError, match="min_digits"):
+    for low in (6, 0, 3.5):                            # min > max, no digit at all, or half a digit (randrange's error)
+        with pytest.raises(ValueError, match=rf"^need integers 1 <= min_digits <= max_digits, got {low} and 5$"):
             make_examples("sort", 1, seed=0, min_digits=low, max_digits=5)
 
 
