@@ -322,7 +322,7 @@ class Controller:
         budgets, seen = list(self.budgets), [i for i in range(len(tails)) if counts[i] >= self.min_tokens]
         failing = [i for i in seen if tails[i] < self.threshold]
         for j in {blamed_bin(i, budgets, longest, compressed, self.page_size, seen) for i in failing} - {None}:
-            budgets[j] = min(self.high, int(budgets[j] * self.up + 0.5))
+            budgets[j] = min(self.high, max(budgets[j] + 1, int(budgets[j] * self.up + 0.5)))   # 4 * 1.1: 5
         for i in seen:
             if tails[i] > self.threshold + self.band and not any(f >= i for f in failing):
                 budgets[i] = max(self.low, budgets[i] - self.step)
@@ -384,6 +384,8 @@ def speedup(config, schedule, context, prompt=0, stride=64, **kwargs):
     """Predicted rollout speedup over dense: summed dense cost / summed sparse cost of the decode
     steps from `prompt` to `context` tokens (every `stride`-th step), the budget from `schedule`."""
     steps = range(prompt + 1, context + 1, stride)
+    if not steps:
+        raise ValueError(f"no decode step from prompt {prompt} to context {context}: context must exceed prompt")
     dense = sum(cost(config, c, None, **kwargs)["cost"] for c in steps)
     sparse = sum(cost(config, c, None if schedule(c) >= DENSE else schedule(c), **kwargs)["cost"] for c in steps)
     return dense / sparse
@@ -422,7 +424,7 @@ def parse_args(argv=None):
     g.add_argument("--context", type=int, default=32768, help="tokens generated")
     g.add_argument("--batch", type=int, default=64, help="rows decoded together")
     args = p.parse_args(argv)
-    if not (args.calibrate or args.speedup):
+    if not args.calibrate and args.speedup is None:
         p.error("give --calibrate and/or --speedup SCHEDULE.json")
     try:
         check_args(args)
@@ -442,10 +444,11 @@ def check_args(args):
         raise ValueError(f"--threshold must lie in [0, 1], got {args.threshold}")
     if args.context > 2 ** 20:         # --speedup sums every 64th decode step's cost: 10 s at 2**20, days at 10**11
         raise ValueError(f"--context must be at most 2**20 = 1048576 tokens, got {args.context}")
-    if args.speedup and args.policy == "blocktopk" and args.dense_layers is not None:   # else 1.00x everywhere
+    speedup = args.speedup is not None
+    if speedup and args.policy == "blocktopk" and args.dense_layers is not None:   # else 1.00x everywhere
         check_dense_layers(args.dense_layers, *min((c["num_hidden_layers"], n) for n, c in QWEN3.items()))
     args.schedule = None                                               # the --speedup schedule, read once
-    if args.speedup and not (args.calibrate and Path(args.speedup) == Path(args.out)):   # else: what it writes
+    if speedup and not (args.calibrate and Path(args.speedup) == Path(args.out)):   # else: what it writes
         args.schedule = Schedule.load(args.speedup)                    # a bad file, named before a calibration
     if not args.calibrate:
         return
@@ -538,7 +541,7 @@ def print_speedup(args, schedule):
 def main(argv=None):
     args, p = parse_args(argv)
     calibrated = print_calibration(args, p) if args.calibrate else None
-    if args.speedup:   # --speedup the file --calibrate just wrote: that schedule
+    if args.speedup is not None:   # --speedup the file --calibrate just wrote: that schedule
         print_speedup(args, args.schedule or calibrated)
 
 

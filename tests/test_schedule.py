@@ -343,6 +343,10 @@ def test_controller_edges_by_hand():
     c = controller((24, 40, 64))             # every bin holds: lowered by 8, bin 0 floored at low = 20; bin 1 sits
     c.update(alpha(1.0, 0.875, 1.0), torch.tensor([[5, 6, 40, 41, 64, 65]]))   # at threshold + band: kept
     assert c.budgets == (20, 40, 56)
+    c = Controller(threshold=0.9, bin_size=16, bins=2, start=4, low=1, high=64, up=1.1, min_tokens=1)
+    for raised in ((5, 5), (6, 6)):          # a gentle up still raises a failing bin by a token: round(4 * 1.1) is 4
+        c.update(torch.full((1, 30), 0.5), torch.arange(30)[None] + 2)
+        assert c.budgets == raised
 
 
 def test_controller_leaves_a_bin_whose_tail_equals_the_threshold_alone():
@@ -459,6 +463,8 @@ def test_speedup_of_a_full_budget_is_one_and_a_small_budget_saves():
         sum(cost(CONFIG, c, min(c, 256) if c > 256 else None, batch=8)["cost"] for c in range(1, 4097))
     assert speedup(CONFIG, constant(256), 4096, batch=8, stride=1) == pytest.approx(brute)
     assert brute > 1.5
+    with pytest.raises(ValueError, match="^no decode step from prompt 20 to context 10: context must exceed prompt$"):
+        speedup(CONFIG, constant(8), 10, prompt=20)                   # was a ZeroDivisionError
 
 
 # 6. bad input
