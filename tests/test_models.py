@@ -19,6 +19,9 @@ def test_pick_device_names_cpu_and_refuses_an_absent_gpu():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="--device cuda, but torch sees no CUDA device"):
             models.pick_device("cuda")
+    for name in ("gpu", "CPU", ""):                                    # was torch's "Expected one of cpu, cuda, ..."
+        with pytest.raises(ValueError, match=f"^--device '{name}': give auto, cpu, cuda or cuda:N$"):
+            models.pick_device(name)
 
 
 def test_bfloat16_autocasts_the_forward_while_the_weights_stay_fp32():
