@@ -260,6 +260,8 @@ def check_args(args):
         raise ValueError(f"--keep m must lie in [2, group size n={args.group_size}], got {args.keep}")
     if args.model is None and args.data is not None:
         raise ValueError("--data needs --model (the toy model only knows the toy task's characters)")
+    if args.data is None and args.eval_data is not None:              # a toy run holds out prompts of its task
+        raise ValueError(f"--eval-data {args.eval_data!r} needs --data (and --model), the training file it holds out")
     for path in (args.data, args.eval_data):
         if path is not None and not Path(path).is_file():
             raise ValueError(f"data file {path!r} " + ("is a folder, not a file" if Path(path).is_dir() else "does not exist"))
@@ -292,7 +294,8 @@ def check_args(args):
 
 def check_fits(args, model, longest):
     """What the loaded model and the longest prompt decide about the flags: a ValueError where a cache asked for
-    would silently be a full one (--dense-layers past the model's layers, an --interval no rollout reaches), or
+    would silently be a full one (--dense-layers past the model's layers, a budget or an --interval no rollout
+    reaches), or
     where the adapter's rank is wider than every layer (a traceback in torch's allocator at a huge one)."""
     policies = (args.eval_policies or [args.policy]) if args.steps == 0 else [args.policy]
     if "blocktopk" in policies:
@@ -302,8 +305,14 @@ def check_fits(args, model, longest):
     if args.schedule or args.controller is not None:                  # their budgets change along the context
         return
     longest_row = longest + args.max_new_tokens - 1                   # tokens held at the last decode step
+    evicting = [p for p in policies if p not in ("full", "blocktopk")]
+    flag = "--eval-budgets" if args.steps == 0 and args.eval_budgets else "--budget"
     for budget in (args.eval_budgets or [args.budget]) if args.steps == 0 else [args.budget]:
-        if any(p not in ("full", "blocktopk") for p in policies) and budget < longest_row < budget + args.interval:
+        if evicting and budget >= longest_row:
+            raise ValueError(f"{flag} {budget}: the longest rollout holds at most {longest_row} tokens (prompt "
+                             f"{longest} + --max-new-tokens {args.max_new_tokens} - 1), so {evicting[0]} would never "
+                             f"evict: give a budget below {longest_row}, or --policy full for a dense run")
+        if evicting and budget < longest_row < budget + args.interval:
             raise ValueError(f"--interval {args.interval}: a cache compresses once it holds budget + interval = "
                              f"{budget + args.interval} tokens, and the longest rollout holds at most {longest_row} "
                              f"(prompt {longest} + --max-new-tokens {args.max_new_tokens} - 1), so budget {budget} "

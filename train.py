@@ -281,7 +281,10 @@ def main(argv=None):
         if not holder.is_dir():
             raise ValueError(f"--out {str(out)!r}: {str(holder)!r} is a file, not a folder")
         made = [p for p in (out, *out.parents) if not p.exists()]     # innermost first
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:                                       # /proc/x, a read-only disk
+            raise ValueError(f"--out {str(out)!r}: cannot make that folder ({error.strerror})") from None
         torch.set_num_threads(threads(args))
         model, tokenizer = load_model(args, device)
         longest = longest_prompt(args, train, held_out, tokenizer)

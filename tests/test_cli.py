@@ -106,6 +106,7 @@ def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
     (["--prompts", "0"], "--prompts must be >= 1, got 0"),
     (["--eval-every", "0"], "--eval-every must be >= 1, got 0"),                # else a modulo by zero at step 1
     (["--data", "d.jsonl"], "--data needs --model"),
+    (["--eval-data", "d.jsonl"], "--eval-data 'd.jsonl' needs --data \\(and --model\\)"),   # was ignored: toy prompts
     (["--digits", "5", "3"], "--digits needs 1 <= MIN <= MAX, got \\[5, 3\\]"),
     (["--task", "reverse", "--digits", "12", "30"], "--max-new-tokens 24 cuts off the toy answers of up to 30 "
      "digits"),                                                               # was: every long answer cut, silently

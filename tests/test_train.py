@@ -1,6 +1,7 @@
 """train.py end to end on a small warm-started toy model: metrics, checkpoints, resume, learning, errors."""
 import copy
 import json
+import os
 import re
 import shutil
 
@@ -355,6 +356,9 @@ def test_an_out_that_is_a_file_is_one_clear_line(tmp_path):
         message = f"error: --out '{out}': '{tmp_path / 'afile'}' is a file, not a folder"
         with pytest.raises(SystemExit, match=f"^{re.escape(message)}$"):
             train.main(["--out", str(out)])
+    if os.path.isdir("/proc/self"):                                    # a folder no one can make (Linux)
+        with pytest.raises(SystemExit, match="^error: --out '/proc/x/y': cannot make that folder "):   # was errno's line
+            train.main(["--out", "/proc/x/y"])
 
 
 def test_a_damaged_checkpoint_is_one_clear_line_naming_it(tmp_path, warm):
@@ -779,7 +783,14 @@ def test_an_interval_no_rollout_reaches_is_refused_not_a_dense_run(tmp_path):
         sparse = SparseConfig("snapkv", budget=10, interval=interval, window=2)
         out = generate(model, [list(range(3, 14))], sparse, max_new_tokens=10)   # 11 tokens, never an EOS
         assert (out.stats["compressions"] > 0) == compresses
-    assert cli.check_fits(train.parse_args(FITS + ["--budget", "20", "--interval", "99"]), model, 11) is None  # holds all
+    # a budget that holds the whole rollout: "snapkv, budget 100" was a dense run (alpha p05 1.000), accepted
+    for budget in (20, 100):
+        with pytest.raises(ValueError, match=rf"^--budget {budget}: the longest rollout holds at most 20 tokens "
+                                             r"\(prompt 11 \+ --max-new-tokens 10 - 1\), so snapkv would never "
+                                             r"evict: give a budget below 20, or --policy full for a dense run$"):
+            cli.check_fits(train.parse_args(FITS + ["--budget", str(budget)]), model, 11)
+    assert cli.check_fits(train.parse_args(FITS + ["--budget", "19", "--interval", "1"]), model, 11) is None
+    assert cli.check_fits(train.parse_args(FITS + ["--budget", "100", "--policy", "full"]), model, 11) is None
 
 
 def test_a_lora_rank_wider_than_the_model_is_one_line_not_an_allocator_traceback(tmp_path):
