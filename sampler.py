@@ -142,8 +142,8 @@ def check_length(longest_prompt, max_new_tokens, config):
         raise ValueError(f"the longest prompt ({longest_prompt} tokens) leaves none of the model's {positions} "
                          "positions for a response: shorter prompts (a toy run: a smaller --digits MAX)")
     if positions is not None and longest_prompt + max_new_tokens > positions:
-        raise ValueError(f"max_new_tokens {max_new_tokens}: the longest prompt ({longest_prompt} tokens) plus the "
-                         f"response must fit the model's {positions} positions, "
+        raise ValueError(f"max_new_tokens (--max-new-tokens) {max_new_tokens}: the longest prompt ({longest_prompt} "
+                         f"tokens) plus the response must fit the model's {positions} positions, "
                          f"so at most {positions - longest_prompt}")
 
 

@@ -179,8 +179,9 @@ def test_bfloat16_runs_close_to_float32():
     ([[0, -1]], {}, "token ids outside \\[0, 64\\): min -1, max 0"),
     ([[1, 2]], dict(logprobs_topk=0), "logprobs_topk must be a positive integer, got 0"),
     ([[1, 2]], dict(max_new_tokens=0), "max_new_tokens must be a positive integer, got 0"),
-    ([[1, 2, 3], [4]], dict(max_new_tokens=510), "max_new_tokens 510: the longest prompt \\(3 tokens\\) plus the "
-                                                 "response must fit the model's 512 positions, so at most 509"),
+    ([[1, 2, 3], [4]], dict(max_new_tokens=510), "max_new_tokens \\(--max-new-tokens\\) 510: the longest prompt "
+                                                 "\\(3 tokens\\) plus the response must fit the model's 512 positions, "
+                                                 "so at most 509"),
     ([[1, 2]], dict(temperature=-0.5), "temperature must be >= 0"),
     ([[1, 2]], dict(top_p=0.0), "top_p must lie in \\(0, 1\\], got 0.0"),
     ([[1, 2]], dict(top_p=1.5), "top_p must lie in \\(0, 1\\], got 1.5"),

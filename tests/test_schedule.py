@@ -538,8 +538,8 @@ def test_calibration_refuses_a_response_past_the_models_positions_before_samplin
     monkeypatch.setattr(S, "calibrate", lambda *a, **k: pytest.fail("calibrated past the positions"))
     with pytest.raises(SystemExit):
         S.main(["--calibrate", "--model", str(tmp_path), "--max-new-tokens", "200", "--out", str(tmp_path / "s.json")])
-    assert re.search("max_new_tokens 200: the longest prompt \\(\\d+ tokens\\) plus the response must fit the "
-                     "model's 128 positions", capsys.readouterr().err)
+    assert re.search("max_new_tokens \\(--max-new-tokens\\) 200: the longest prompt \\(\\d+ tokens\\) plus the "
+                     "response must fit the model's 128 positions", capsys.readouterr().err)
 
 
 def test_calibration_checks_the_positions_against_its_longest_prompt(tmp_path, capsys, monkeypatch):

@@ -120,7 +120,8 @@ def test_dense_grpo_raises_the_reward(tmp_path, warm):
     (["--budget", "3", "--window", "2", "--sink", "2"], "budget=3 must be >= window \\+ sink"),
     (["--steps", "0", "--eval-budgets", "0"], "budget must be a positive integer, got 0"),
     (["--schedule", "no-such.json"], "cannot read a schedule from no-such.json"),
-    (["--max-new-tokens", "102"], "max_new_tokens 102: the longest prompt \\(27 tokens\\) plus the response must fit "
+    (["--max-new-tokens", "102"], "max_new_tokens \\(--max-new-tokens\\) 102: the longest prompt \\(27 tokens\\) plus "
+     "the response must fit "
                                   "the model's 128 positions, so at most 101"),   # checked before the toy's warm-up
 ])
 def test_bad_input_is_one_clear_line_before_training(tmp_path, argv, message):
@@ -142,7 +143,8 @@ def test_a_cached_warm_up_still_refuses_a_response_past_the_positions(tmp_path, 
     # Pins main's check_length after loading: with the warm-up cached, load_model's own check never runs, so
     # without main's the run would reach the sampler and end in its ValueError traceback, not one line
     shutil.copytree(warm, tmp_path / "warmup")
-    with pytest.raises(SystemExit, match="^error: max_new_tokens 200: the longest prompt .* so at most "):
+    with pytest.raises(SystemExit, match="^error: max_new_tokens \\(--max-new-tokens\\) 200: the longest prompt .* "
+                                         "so at most "):
         train.main(SMALL + ["--out", str(tmp_path), "--max-new-tokens", "200"])
     assert not (tmp_path / "metrics.jsonl").exists()
 
