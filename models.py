@@ -249,7 +249,9 @@ def toy_settings(folder, files=("warmup.json", "args.json"), needs=("task", "dig
     `files` there, as a dict; a ValueError in one line naming the folder where it holds none of them, or the file
     where it is no JSON object with the keys `needs`, or names no toy task or digits."""
     if not Path(folder).is_dir():
-        raise ValueError(f"--model {str(folder)!r}: no such folder; run `python train.py` first (it makes out/warmup)")
+        raise ValueError(f"--model {str(folder)!r}: " + ("a file, not a folder; give" if Path(folder).exists() else
+                         "no such folder; run `python train.py` first (it makes out/warmup), or give")
+                         + " the folder of a toy warm-up or run")
     path = next((Path(folder, name) for name in files if Path(folder, name).is_file()), None)
     if path is None:
         raise ValueError(f"--model {str(folder)!r} holds no {' or '.join(files)}: give the folder of a toy warm-up"

@@ -399,7 +399,10 @@ def keeps(args):
     configs = [SparseConfig(p, budget, run["interval"], run["window"], run["sink"]) for p in args.policies]
     examples = held_out_examples(settings["task"], 256, settings["seed"], *settings["digits"])   # train.py's held-out
     long = [e for e in examples if len(e["prompt"]) + 1 > budget + run["interval"]]
-    if args.example >= len(long):                                     # before the model loads
+    if not long:                                                      # before the model loads
+        raise ValueError(f"--budget {budget}: no held-out prompt is longer than the budget + interval "
+                         f"({run['interval']}), so none is compressed at its prefill: give a smaller --budget")
+    if args.example >= len(long):
         raise ValueError(f"--example {args.example}: only {len(long)} held-out prompts are longer than the budget "
                          f"({budget}) + interval ({run['interval']})")
     model, tokenizer = load_pretrained(args.model)

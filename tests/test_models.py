@@ -311,6 +311,10 @@ def test_toy_settings_names_a_file_that_holds_no_toy_run(tmp_path, text, message
 def test_toy_settings_names_a_folder_with_none_of_its_files(tmp_path):
     with pytest.raises(ValueError, match=f"^--model '{tmp_path / 'x'}': no such folder; run `python train.py` first"):
         models.toy_settings(tmp_path / "x")
+    (tmp_path / "x.txt").write_text("")                                # a file: was "no such folder"
+    with pytest.raises(ValueError, match=f"^--model '{tmp_path / 'x.txt'}': a file, not a folder; give the folder of "
+                                         "a toy warm-up or run$"):
+        models.toy_settings(tmp_path / "x.txt")
     (tmp_path / "s.json").write_text("{}")                             # a file of another name is not read
     with pytest.raises(ValueError, match=f"^--model '{tmp_path}' holds no warmup.json or args.json: give the folder "
                                          "of a toy warm-up or run \\(`python train.py` makes out/warmup\\)$"):
