@@ -79,6 +79,11 @@ def test_a_mistyped_choice_is_two_lines_not_the_usage_of_every_flag(capsys):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "--help" in err[0] and err[1].endswith("invalid choice: 'snapvk' (choose from 'full', "
                                                                      "'streaming', 'h2o', 'snapkv', 'rkv', 'random', 'blocktopk')")
+    with pytest.raises(SystemExit):                                    # the preset's own parser printed its usage
+        cli.parse_args(["--task", "Pick"])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "--help" in err[0] and err[1].endswith("invalid choice: 'Pick' (choose from 'pick', "
+                                                                     "'reverse', 'sort')")
 
 
 def test_block_topk_has_pages_that_fit_the_run():
