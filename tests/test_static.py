@@ -484,7 +484,7 @@ def test_a_budget_or_interval_up_to_dense_passes_the_checks(monkeypatch):
     (["--profile", "-1"], "--profile must be >= 0 (0: no profile), got -1"),
     (["--policies", "full,xyz"], "unknown policy 'xyz'; allowed: full, streaming"),
     (["--policies", "blocktopk", "--budget", "4"], "budget=4 must be >= page_size = 16"),
-    (["--device", "gpu"], "device type at start of device string: gpu"),
+    (["--device", "gpu"], "--device 'gpu': give auto, cpu, cuda or cuda:N"),         # was torch's list of backends
     (["--prompt", str(2 ** 63)], f"--prompt must be < 2**31, got {2 ** 63}"),       # was: an OverflowError traceback
     (["--prompt", "2000000000", "--dtype", "float32"], "--batch 8 x --prompt 2000000000: the prefill's KV cache "
      "alone is 122070 GiB in torch.float32, and this cpu has"),   # 2 x 8 x 2 x 64 x 8 x 2e9 x 4 B: was a traceback
