@@ -124,7 +124,7 @@ class LoRA(nn.Module):
         try:
             saved, alpha = LoRA.read(path)
             lora = LoRA(model, rank=saved_rank(saved), alpha=alpha)
-            lora.load(path)
+            lora.put(saved, alpha, path)
         except Exception as error:   # safetensors' own error type, another model's layers or shapes
             raise ValueError(f"{path} is not a DistillSparse adapter of this model (adapter.safetensors of a "
                              f"train.py --distill checkpoint): {type(error).__name__}: {error}") from None
@@ -137,6 +137,10 @@ class LoRA(nn.Module):
             saved, alpha = LoRA.read(path)
         except Exception as error:   # not a safetensors file, or a truncated one
             raise ValueError(f"cannot read {path}: {type(error).__name__}: {error}") from None
+        self.put(saved, alpha, path)
+
+    def put(self, saved, alpha, path):
+        """Copy in the tensors `LoRA.read` got from `path` (named in the errors), after the checks `load` names."""
         mine = self.tensors()
         if (rank := saved_rank(saved)) != self.rank:
             raise ValueError(f"{path} holds a rank-{rank} adapter, this one has rank {self.rank} (train.py: resume "
