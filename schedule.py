@@ -444,11 +444,11 @@ def check_args(args):
         raise ValueError(f"--threshold must lie in [0, 1], got {args.threshold}")
     if args.context > 2 ** 20:         # --speedup sums every 64th decode step's cost: 10 s at 2**20, days at 10**11
         raise ValueError(f"--context must be at most 2**20 = 1048576 tokens, got {args.context}")
-    speedup = args.speedup is not None
-    if speedup and args.policy == "blocktopk" and args.dense_layers is not None:   # else 1.00x everywhere
+    pricing = args.speedup is not None                                 # (not `speedup`: the function's name)
+    if pricing and args.policy == "blocktopk" and args.dense_layers is not None:   # else 1.00x everywhere
         check_dense_layers(args.dense_layers, *min((c["num_hidden_layers"], n) for n, c in QWEN3.items()))
     args.schedule = None                                               # the --speedup schedule, read once
-    if speedup and not (args.calibrate and Path(args.speedup) == Path(args.out)):   # else: what it writes
+    if pricing and not (args.calibrate and Path(args.speedup) == Path(args.out)):   # else: what it writes
         args.schedule = Schedule.load(args.speedup)                    # a bad file, named before a calibration
     if not args.calibrate:
         return
