@@ -184,13 +184,15 @@ def pretrained_folder(model, gguf_file=None, cache_dir=CACHE_DIR):
 
 def load_pretrained(model, gguf_file=None, cache_dir=CACHE_DIR, device="cpu", dtype=torch.float32):
     """(model in eval mode, tokenizer) from an HF folder, hub id, GGUF file, or SMOLLM2; ValueError in one line."""
-    try:
-        path = pretrained_folder(model, gguf_file, cache_dir)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+    path, part = pretrained_folder(model, gguf_file, cache_dir), "tokenizer"
+    try:   # an unknown hub id or no network (OSError), a folder saved without its tokenizer (ValueError), a torn
+        tokenizer = AutoTokenizer.from_pretrained(path)                # weights file (safetensors' own error type)
+        part = "weights"
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except OSError as error:  # an unknown hub id, or no network: say so in one line
+    except Exception as error:
         tried = "" if Path(model).exists() else f"no folder {model!r} here, and as a hub id: "
-        raise ValueError(f"cannot load model {model!r}: {tried}{str(error).splitlines()[0]}") from None
+        raise ValueError(f"cannot load the {part} of model {model!r}: {tried}"
+                         f"{str(error).splitlines()[0].rstrip(': ')}") from None
     # transformers 5.17 (the GPU machine's) gives SmolLM2's GGUF tokenizer eos <|im_start|>, while the config
     # it reads from the same file's metadata says <|im_end|>. Rollouts end at the tokenizer's eos: trust the config.
     eos = loaded.config.eos_token_id

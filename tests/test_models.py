@@ -83,7 +83,7 @@ def test_a_hub_id_says_why_it_waits_then_fails_in_one_line(tmp_path, monkeypatch
     def offline(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co'\nsecond line")
     monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", offline)
-    with pytest.raises(ValueError, match="^cannot load model 'org/name': no folder 'org/name' here, and as a hub id: "
+    with pytest.raises(ValueError, match="^cannot load the tokenizer of model 'org/name': no folder 'org/name' here, and as a hub id: "
                                          "We couldn't connect to 'https://huggingface.co'$"):
         models.load_pretrained("org/name")
     assert capsys.readouterr().err == "'org/name' is no folder here: asking the Hugging Face hub for it\n"
@@ -185,6 +185,20 @@ def test_only_the_last_two_checkpoints_are_kept(tmp_path):
         models.save_checkpoint(tmp_path, step, model, tokenizer, args, {"x": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000008", "step-000012"]
     assert torch.load(tmp_path / "step-000012" / "trainer_state.pt", weights_only=True) == {"x": 1, "step": 12}
+
+
+def test_a_folder_without_its_tokenizer_or_with_torn_weights_is_one_line_naming_it(tmp_path):
+    # were transformers' ValueError (five lines, naming no folder, suggesting sentencepiece) and safetensors' own
+    # error type, which train.py's `except (ValueError, OSError)` let through as a traceback
+    tokenizer = tasks.char_tokenizer()
+    models.toy_model(tokenizer).save_pretrained(tmp_path / "alone")             # the model saved without its tokenizer
+    with pytest.raises(ValueError, match=f"^cannot load the tokenizer of model '{tmp_path}/alone': [^\\n]*$"):
+        models.load_pretrained(str(tmp_path / "alone"))
+    tokenizer.save_pretrained(tmp_path / "alone")
+    weights = tmp_path / "alone" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])                           # a copy cut short
+    with pytest.raises(ValueError, match=f"^cannot load the weights of model '{tmp_path}/alone': [^\\n]*header"):
+        models.load_pretrained(str(tmp_path / "alone"))
 
 
 def test_a_tokenizer_without_a_pad_token_pads_with_eos(tmp_path):
