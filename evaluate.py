@@ -58,6 +58,8 @@ def greedy(model, tokenizer, examples, sparse, max_new_tokens, batch_size, lora=
     """Greedy answers to `examples` through `sparse`, `batch_size` prompts at a time; yields (the batch's
     examples, their Rollouts). By theta + phi with a `lora` adapter and a sparse cache, switched off again
     before each yield, so that what the caller computes between batches is theta alone."""
+    if not examples:   # else torch.cat's "expected a non-empty list of Tensors", or an accuracy of nan
+        raise ValueError("no held-out examples to evaluate: the list is empty")
     for first in range(0, len(examples), batch_size):
         batch = examples[first: first + batch_size]
         with lora.on() if lora and sparse.policy != "full" else nullcontext():

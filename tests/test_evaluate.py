@@ -91,6 +91,16 @@ def test_sparse_rewards_are_those_of_each_prompt_sampled_alone_and_both_land_in_
     assert hits["sparse"] == pytest.approx(sum(len(t) >= 10 for t in sparse_texts) / 7) != hits["dense"]
 
 
+def test_no_examples_is_a_clear_error_in_every_evaluation(toy):
+    model, tokenizer, _ = toy                                          # was torch.cat's "expected a non-empty list"
+    for run in (lambda: evaluate.eval_rewards(model, tokenizer, [], exact_match, SPARSE, 4),
+                lambda: evaluate.eval_both(model, tokenizer, [], exact_match, SPARSE, 4),
+                lambda: evaluate.evaluate_only(model, tokenizer, [], exact_match, [SPARSE], 4),
+                lambda: evaluate.run_inference(model, tokenizer, [], exact_match, SPARSE, 4, 2)):
+        with pytest.raises(ValueError, match="^no held-out examples to evaluate: the list is empty$"):
+            run()
+
+
 def moved_adapter(model):
     """An adapter whose B is no longer zero (as after training), so that it changes the answers."""
     lora = distill.LoRA(model, rank=4)
