@@ -2,8 +2,10 @@
 same bytes, the stub keeps the signature, the docstring and the argument checks, and after `start` the
 exercise's own test command fails."""
 import ast
+import code
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -312,3 +314,18 @@ def test_reset_keeps_the_students_own_version_before_putting_the_original_back(t
     (root / "correction.py").write_text(stub)                          # a stub is no attempt: nothing kept
     assert lab.reset(2, root) == "exercise 2 reset: correction.py:rejection_mask is the committed function again"
     assert sorted(p.name for p in (root / "lab").iterdir()) == ["attempt-2-2.py", "attempt-2.py"]
+
+
+def test_each_python_snippet_of_lab_md_pastes_into_the_python_prompt():
+    # the plain interactive interpreter (Python <= 3.12's) needs a blank line after an indented block: 4a's trace,
+    # pasted as LAB.md says ("in `python`"), was a SyntaxError at `schedule.measure = traced`, and the calibration
+    # then ran untraced. Compiled line by line as that prompt reads them (code.InteractiveConsole), never run.
+    snippets = re.findall(r"```python\n(.*?)```", (lab.ROOT / "LAB.md").read_text(), re.S)
+    assert len(snippets) == 2                                          # the plot (exercise 4) and 4a's trace
+    for snippet in snippets:
+        console, errors = code.InteractiveConsole(), []
+        console.runcode = lambda compiled: None
+        console.showsyntaxerror = lambda *args, **kwargs: errors.append(sys.exc_info()[1])
+        for line in snippet.splitlines():
+            console.push(line)
+        assert not console.push("") and errors == [], (errors, snippet[:60])
