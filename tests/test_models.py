@@ -177,6 +177,17 @@ def test_warm_up_imitates_picks_teacher_on_the_answer_tokens_only(monkeypatch):
     assert shortened > 10          # the teacher did drop digits: labels of the true answers would fail above
 
 
+def test_warm_up_is_a_function_of_the_seed():
+    # every exercise of LAB.md rebuilds "the same warm-up (it depends only on the task and the seed)"
+    def warmed(seed):
+        tokenizer = tasks.char_tokenizer()
+        torch.manual_seed(seed)
+        return models.warm_up(models.toy_model(tokenizer), tokenizer, "pick", 3, (3, 6)).state_dict()
+    first, again, other = warmed(0), warmed(0), warmed(1)
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert not all(torch.equal(first[name], other[name]) for name in first)
+
+
 def test_only_the_last_two_checkpoints_are_kept(tmp_path):
     tokenizer = tasks.char_tokenizer()
     model = models.toy_model(tokenizer)
