@@ -45,7 +45,7 @@ def autocast(dtype, device):
     """The precision of a training run's forward passes (sampling, re-scoring, the update's forward): `dtype`
     ("bfloat16") under torch.autocast, while the weights and AdamW's state stay in fp32, as TRL and nanoGPT
     train in bf16. Weights stored in bf16 lose AdamW's small steps to rounding: two steps at lr 1e-6 move
-    1.1 % of a 576 x 576 layer's bf16-stored weights, all of its fp32 ones (tests/test_models.py).
+    1.2 % of a 576 x 576 layer's bf16-stored weights, all of its fp32 ones (tests/test_models.py).
     "float32": no autocast."""
     return torch.autocast(torch.device(device).type, dtype=DTYPES[dtype], enabled=dtype != "float32")
 
