@@ -129,14 +129,17 @@ def original_function(root, n):
 
 
 def working_file(root, ex):
-    """(path, text) of the exercise's file as it stands; a LabError if it does not parse (mid-edit)."""
+    """(path, text) of the exercise's file as it stands; a LabError naming the file if it does not parse (mid-edit)
+    or no longer holds the exercise's function (renamed, deleted)."""
     path = Path(root) / ex.file
     source = path.read_text()
+    back = f"take the whole file back from git with `git checkout -- {ex.file}` (other edits in it go too)"
     try:
-        ast.parse(source)
+        find_function(source, ex.function)
     except SyntaxError as error:
-        raise LabError(f"{ex.file} does not parse (line {error.lineno}: {error.msg}): fix it, or take the whole "
-                       f"file back from git with `git checkout -- {ex.file}` (other edits in it go too)") from None
+        raise LabError(f"{ex.file} does not parse (line {error.lineno}: {error.msg}): fix it, or {back}") from None
+    except LabError:
+        raise LabError(f"{ex.file} holds no top-level function {ex.function}: put it back, or {back}") from None
     return path, source
 
 

@@ -182,6 +182,20 @@ def test_a_file_that_does_not_parse_is_named_with_its_line(repo):
         path.write_text(before)
 
 
+def test_a_file_whose_function_is_gone_is_named_with_the_way_back(repo):
+    # a student who renamed the function: was "no function tail_by_bin at the top level of the file", no file named
+    path = repo / "schedule.py"
+    before = path.read_text()
+    path.write_text(before.replace("def tail_by_bin(", "def tail_by_bins(", 1))
+    try:
+        for call in (lambda: lab.start(4, repo), lambda: lab.reset(4, repo), lambda: lab.listing(repo)):
+            with pytest.raises(LabError, match="^schedule.py holds no top-level function tail_by_bin: put it back, "
+                                               "or take the whole file back from git with `git checkout -- schedule.py`"):
+                call()
+    finally:
+        path.write_text(before)
+
+
 SYNTHETIC = '''import functools
 
 
