@@ -117,7 +117,7 @@ def original_function(root, n):
     """Exercise n's function as it stands in the newest commit of its file where it is not a stub."""
     ex = exercise(n)
     for commit in git(root, "log", "--format=%H", "--", ex.file).split():
-        source = git(root, "show", f"{commit}:{ex.file}")
+        source = git(root, "show", f"{commit}:./{ex.file}")   # ./: from root, maybe a repository subfolder
         try:
             func = find_function(source, ex.function)
         except (SyntaxError, LabError):

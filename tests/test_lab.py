@@ -189,8 +189,8 @@ def test_a_file_whose_function_is_gone_is_named_with_the_way_back(repo):
     path.write_text(before.replace("def tail_by_bin(", "def tail_by_bins(", 1))
     try:
         for call in (lambda: lab.start(4, repo), lambda: lab.reset(4, repo), lambda: lab.listing(repo)):
-            with pytest.raises(LabError, match="^schedule.py holds no top-level function tail_by_bin: put it back, "
-                                               "or take the whole file back from git with `git checkout -- schedule.py`"):
+            with pytest.raises(LabError, match="^schedule.py holds no top-level function tail_by_bin: put it "
+                                               "back, or take the whole file back from git with `git checkout --"):
                 call()
     finally:
         path.write_text(before)
@@ -281,6 +281,21 @@ def test_reset_takes_the_newest_unstubbed_version_of_the_function(tmp_path):
     subprocess.run(GIT + ["commit", "-q", "-am", "stub"], cwd=root, check=True)
     lab.reset(4, root)
     assert (root / "schedule.py").read_text() == newer
+
+
+def test_the_lab_works_in_a_subfolder_of_a_repository(tmp_path):
+    # the project as a folder of a course's repository: `git show <commit>:correction.py` named a path from the
+    # repository's root ("fatal: path 'sub/correction.py' exists, but not 'correction.py'"), so start and reset failed
+    root = tmp_path / "course" / "sub"
+    root.mkdir(parents=True)
+    original = (lab.ROOT / "correction.py").read_text()
+    (root / "correction.py").write_text(original)
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "course"]):
+        subprocess.run(GIT + command, cwd=tmp_path / "course", check=True)
+    lab.start(1, root)
+    assert lab.is_stub(find_function((root / "correction.py").read_text(), "importance_weights"))
+    lab.reset(1, root)
+    assert (root / "correction.py").read_text() == original
 
 
 def test_lab_test_runs_its_files_single_threaded_with_the_extra_arguments(monkeypatch, capsys):

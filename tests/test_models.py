@@ -83,8 +83,8 @@ def test_a_hub_id_says_why_it_waits_then_fails_in_one_line(tmp_path, monkeypatch
     def offline(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co'\nsecond line")
     monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", offline)
-    with pytest.raises(ValueError, match="^cannot load the tokenizer of model 'org/name': no folder 'org/name' here, and as a hub id: "
-                                         "We couldn't connect to 'https://huggingface.co'$"):
+    with pytest.raises(ValueError, match="^cannot load the tokenizer of model 'org/name': no folder 'org/name' here, "
+                                         "and as a hub id: We couldn't connect to 'https://huggingface.co'$"):
         models.load_pretrained("org/name")
     assert capsys.readouterr().err == "'org/name' is no folder here: asking the Hugging Face hub for it\n"
     (tmp_path / "config.json").write_text("{}")
