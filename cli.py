@@ -17,6 +17,7 @@ import correction as C
 import distill
 from kvcache import POLICIES
 from models import CACHE_DIR, DTYPES, SMOLLM2
+from policies import RESERVED_PAGES
 from tasks import TASKS, TOY_TASKS, get_task
 
 # Defaults per kind of run, where no flag is given. Toy runs (no --model): tasks.TOY_TASKS, per task.
@@ -305,19 +306,37 @@ def check_fits(args, model, longest):
         distill.check_rank(model, args.lora_rank)
     if args.schedule or args.controller is not None:                  # their budgets change along the context
         return
-    longest_row = longest + args.max_new_tokens - 1                   # tokens held at the last decode step
     evicting = [p for p in policies if p not in ("full", "blocktopk")]
     flag = "--eval-budgets" if args.steps == 0 and args.eval_budgets else "--budget"
     for budget in (args.eval_budgets or [args.budget]) if args.steps == 0 else [args.budget]:
-        if evicting and budget >= longest_row:
-            raise ValueError(f"{flag} {budget}: the longest rollout holds at most {longest_row} tokens (prompt "
-                             f"{longest} + --max-new-tokens {args.max_new_tokens} - 1), so {evicting[0]} would never "
-                             f"evict: give a budget below {longest_row}, or --policy full for a dense run")
-        if evicting and budget < longest_row < budget + args.interval:
-            raise ValueError(f"--interval {args.interval}: a cache compresses once it holds budget + interval = "
-                             f"{budget + args.interval} tokens, and the longest rollout holds at most {longest_row} "
-                             f"(prompt {longest} + --max-new-tokens {args.max_new_tokens} - 1), so budget {budget} "
-                             f"would never evict: give --interval at most {longest_row - budget}")
+        if evicting:
+            check_evicts(flag, budget, evicting[0], args.interval, longest, args.max_new_tokens,
+                         note=", or --policy full for a dense run")
+
+
+def check_evicts(flag, budget, policy, interval, longest, max_new_tokens, page_size=None, note=""):
+    """A ValueError where `policy` at `budget` (from `flag`) would silently run dense: the longest rollout, a
+    `longest`-token prompt and `max_new_tokens`, holds at most longest + max_new_tokens - 1 tokens; a cache
+    compresses once it holds budget + interval, and block top-k (`page_size`) attends budget // page_size pages
+    and the reserved ones. `note` follows the advice on the budget (train.py: its way to a dense run)."""
+    row = longest + max_new_tokens - 1                                # tokens held at the last decode step
+    whence = f"(prompt {longest} + --max-new-tokens {max_new_tokens} - 1)"
+    if page_size:
+        pages, top = (row - 1) // page_size + 1, budget // page_size + RESERVED_PAGES
+        below = (pages - RESERVED_PAGES) * page_size                  # a budget of at least one page: page_size
+        advice = f"a budget below {below}" if below > page_size else "a smaller --page-size or more --max-new-tokens"
+        if top >= pages:
+            raise ValueError(f"{flag} {budget}: the longest rollout holds at most {row} tokens {whence}, {pages} "
+                             f"pages of {page_size}, and {policy} attends {top} (the budget's and the "
+                             f"{RESERVED_PAGES} reserved): every page, so it would never skip one: give {advice}"
+                             f"{note}")
+    elif budget >= row:
+        raise ValueError(f"{flag} {budget}: the longest rollout holds at most {row} tokens {whence}, so {policy} "
+                         f"would never evict: give a budget below {row}{note}")
+    elif budget + interval > row:
+        raise ValueError(f"--interval {interval}: a cache compresses once it holds budget + interval = "
+                         f"{budget + interval} tokens, and the longest rollout holds at most {row} {whence}, so "
+                         f"budget {budget} would never evict: give --interval at most {row - budget}")
 
 
 def check_dense_layers(dense_layers, layers, model="the model"):

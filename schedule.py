@@ -27,7 +27,7 @@ import torch
 
 import distill
 import tasks
-from cli import check_dense_layers, check_least, check_out_file, check_values
+from cli import check_dense_layers, check_evicts, check_least, check_out_file, check_values
 from correction import acceptance, dense_logprobs  # alpha = sum_v min(p_a, p_b) (section 4)
 from kvcache import DENSE, POLICIES, SparseConfig
 from models import DTYPES, autocast, load_pretrained, pick_device, toy_settings, write_text_atomically
@@ -486,6 +486,8 @@ def print_calibration(args, p):
         check_length(max(map(len, prompts)), args.max_new_tokens, model.config)   # before the first candidate
         if args.policy == "blocktopk":
             check_dense_layers(args.dense_layers, model.config.num_hidden_layers)
+        check_evicts("--candidates", args.candidates[0], args.policy, args.interval, max(map(len, prompts)),
+                     args.max_new_tokens, args.sparse.pages)            # else each candidate "holds": a dense run
     except ValueError as error:
         p.error(str(error))
     candidates, threshold = args.candidates, args.threshold

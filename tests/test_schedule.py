@@ -560,6 +560,33 @@ def test_calibration_checks_the_positions_against_its_longest_prompt(tmp_path, c
         S.main(argv + ["--max-new-tokens", str(128 - longest)])
 
 
+def test_calibration_refuses_candidates_that_never_evict_before_sampling(tmp_path, capsys, monkeypatch):
+    # --candidates 100,200 on the toy (prompts of at most `longest` tokens, 12 new) "held" 1.00 in every bin and
+    # wrote a schedule of 100: a dense run under a budget's name. By brute force over the prompts, the longest row
+    # holds row = longest + 11 tokens at its last step; snapkv (interval 4) compresses once a row holds budget + 4,
+    # block top-k (pages of 4) skips a page once budget // 4 + 3 reserved pages < the row's pages.
+    toy_warm_up(tmp_path)
+    longest = max(len(tasks.encode_prompt(tasks.char_tokenizer(), e["prompt"]))
+                  for e in tasks.make_examples("pick", 8, 0, 3, 4))
+    row, pages = longest + 11, (longest + 10) // 4 + 1
+    argv = ["--calibrate", "--model", str(tmp_path), "--prompts", "8", "--out", str(tmp_path / "s.json")]
+    monkeypatch.setattr(S, "calibrate", lambda *a, **k: pytest.fail("calibrated"))
+    whence = f"the longest rollout holds at most {row}( tokens)? \\(prompt {longest} \\+ --max-new-tokens 12 - 1\\)"
+    for flags, message in [
+            ([f"{row},{row + 8}"], f"--candidates {row}: {whence}, so snapkv would never evict: give a budget below {row}$"),
+            ([f"{row - 3}"], f"--interval 4: .* = {row + 1} tokens, and {whence}, so budget {row - 3} would never evict: "
+                             "give --interval at most 3$"),
+            ([f"{4 * pages - 12}", "--policy", "blocktopk"],
+             f"--candidates {4 * pages - 12}: {whence}, {pages} pages of 4, and blocktopk attends {pages} .*: every "
+             f"page, so it would never skip one: give a budget below {4 * pages - 12}$")]:
+        with pytest.raises(SystemExit):
+            S.main(argv + ["--candidates"] + flags)
+        assert re.search(message, capsys.readouterr().err.splitlines()[-1])
+    for flags in ([f"{row - 4},{row + 8}"], [f"{4 * pages - 13}", "--policy", "blocktopk"]):   # each evicts: sampled
+        with pytest.raises(pytest.fail.Exception, match="calibrated"):
+            S.main(argv + ["--candidates"] + flags)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--candidates", "6,x"], "--candidates must be comma-separated integers, got '6,x'"),
     (["--threshold", "1.5"], "--threshold must lie in \\[0, 1\\], got 1.5"),
