@@ -6,8 +6,7 @@ above a threshold (0.86) with a piecewise-constant budget that grows with the co
 
 What is notable here:
 - `Schedule` is a callable `context length -> budget` that the cache (`kvcache.SparseConfig(schedule=...)`)
-  asks at every decode step: a row is due for compression when its length passes budget + interval,
-  and block top-k attends budget // page_size pages; `None` in a bin means dense.
+  asks at every decode step; `None` in a bin means dense.
 - `calibrate` is Sparrow's offline profiling; `Controller` is the online variant (ours, not in the paper):
   per-bin budgets nudged after every rollout batch from the acceptance the trainer already measures: no extra pass.
 - `cost` / `speedup`: the per-step cost model of section 6 (after Kinetics) for any HF config.
@@ -162,7 +161,7 @@ def compressed_bins(positions, schedule, bin_size, interval=1):
     -> sorted list of bins, c // bin_size (past the last bin of `schedule`: in it).
     """
     first, last = positions[:, 0].cpu(), positions.amax(1).cpu()        # -1 after the response: never the max
-    held, hit = first.clone(), set()
+    held, hit = first, set()
     for t in range(1, int((last - first).max()) + 1 if len(first) else 0):
         c, live = first + t, first + t <= last
         held = held + live
@@ -177,17 +176,16 @@ def blamed_bin(i, budgets, longest, compressed, page_size=None, seen=None):
     """The bin whose budget rises when bin i's tail fails, or None: nothing to raise.
 
     budgets: per bin (None: dense); longest: each bin's longest context; compressed: the bins where the cache
-    compressed (`compressed_bins`); seen: the bins measured (all if None).
+    compressed (`compressed_bins`); seen: the bins measured, i among them (all if None).
     Eviction: i itself if the cache compressed in it; if not, what i misses was dropped earlier, for good, so the
     latest earlier bin where it compressed; None if it compressed in no bin up to i (eviction is not the cause).
     Block top-k (`page_size`): nothing is dropped for good, each step chooses its pages anew, so i itself if its
     longest context has more pages than a step attends (budget // page_size, plus the first and 2 newest, as
     `KVCache.start_step`); else None."""
-    counted = lambda j: seen is None or j in seen
     if page_size:
         pages = (int(longest[i]) - 1) // page_size + 1
-        return i if counted(i) and budgets[i] is not None and budgets[i] // page_size + RESERVED_PAGES < pages else None
-    return max([j for j in compressed if j <= i and counted(j)], default=None)
+        return i if budgets[i] is not None and budgets[i] // page_size + RESERVED_PAGES < pages else None
+    return max([j for j in compressed if j <= i and (seen is None or j in seen)], default=None)
 
 
 def measure(model, prompts, sparse, max_new_tokens, temperature=1.0, eos_token_id=None, pad_token_id=0, seed=0,
@@ -241,14 +239,12 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
               max_new_tokens=64, q=0.05, **sampling):
     """The smallest candidate budget per length bin that keeps the tail >= threshold (section 6).
 
-    Generates once per candidate budget and measures the tail per bin against dense re-scoring;
-    a bin no candidate satisfies falls back to dense (None). Budgets are then made non-decreasing in the
-    context (eviction is irreversible: a long context never gets back what a short one dropped). A schedule
-    evicts earlier than a constant budget does, so the result is re-measured, and the earliest bin blamed for a
-    failing bin (`blamed_bin`, the controller's rule) moves to its next candidate, until every bin passes or no
-    bin is left to blame.
-    Returns (Schedule, rows): one row per bin {bins, budget, tail, tokens} of the final measurement,
-    plus `profile`: the tail the bin had at each candidate budget held constant (nan: no token).
+    Profiles each candidate held constant; a bin no candidate holds is dense (None). Budgets are made
+    non-decreasing (eviction is irreversible: a long context never gets back what a short one dropped). A schedule
+    evicts earlier than a constant budget, so it is re-measured, and the earliest bin blamed for a failing bin
+    (`blamed_bin`, the controller's rule) moves to its next candidate, until every bin holds or none is to blame.
+    Returns (Schedule, rows): per bin {bins, budget, tail, tokens} of the last measurement, and `profile`: its
+    tail at each candidate held constant (nan: no token).
     `sampling`: temperature, eos_token_id, pad_token_id, seed (as `sampler.generate`), adapter (`measure`).
     """
     check_bins(bin_size, q, threshold)                                 # before the first generation
@@ -271,7 +267,7 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
         if not blamed:
             break
         choice[min(blamed)] += 1                                      # one bin at a time, the earliest first
-    rows = [dict(bins=(i * bin_size, (i + 1) * bin_size), budget=options[choice[i]], tail=float(measured[i]),
+    rows = [dict(bins=(i * bin_size, (i + 1) * bin_size), budget=budgets[i], tail=float(measured[i]),
                  tokens=int(counts[i]), profile=[tail(i, k) for k in range(len(options) - 1)]) for i in range(n)]
     return schedule, rows
 
@@ -300,9 +296,9 @@ class Controller:
         if not (up > 1 and step >= 0 and band >= 0):
             raise ValueError(f"need up > 1, step >= 0 and band >= 0, got {up}, {step}, {band}")
         check_bins(bin_size, q, threshold)
-        self.threshold, self.bin_size, self.low, self.high, self.interval = threshold, bin_size, low, high, interval
-        self.page_size = page_size
-        self.step, self.up, self.band, self.min_tokens, self.q = step, up, band, min_tokens, q
+        self.threshold, self.q, self.min_tokens = threshold, q, min_tokens          # what holds, on how many tokens
+        self.low, self.high, self.step, self.up, self.band = low, high, step, up, band   # how a budget moves
+        self.bin_size, self.interval, self.page_size = bin_size, interval, page_size    # how the cache compresses
         self.schedule = piecewise([i * bin_size for i in range(bins)], [start] * bins)
 
     bins = property(lambda self: self.schedule.bins)         # read-only, as a Schedule's: the current schedule's
@@ -347,7 +343,7 @@ H100_INTENSITY = 989e12 / 3.35e12   # bf16 dense FLOP/s per byte/s of HBM: ~295 
 
 def shape(config):
     """(layers, heads, kv_heads, head_dim, matmul parameters) of an HF config or a dict of its fields."""
-    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
     h, L, n, n_kv = get("hidden_size"), get("num_hidden_layers"), get("num_attention_heads"), get("num_key_value_heads")
     n_kv, d = n_kv or n, get("head_dim") or h // n
     # q and o: h * n * d each; k and v: h * n_kv * d each; gated MLP: 3 * h * intermediate; lm head: V * h
@@ -386,9 +382,8 @@ def speedup(config, schedule, context, prompt=0, stride=64, **kwargs):
     steps = range(prompt + 1, context + 1, stride)
     if not steps:
         raise ValueError(f"no decode step from prompt {prompt} to context {context}: context must exceed prompt")
-    dense = sum(cost(config, c, None, **kwargs)["cost"] for c in steps)
-    sparse = sum(cost(config, c, None if schedule(c) >= DENSE else schedule(c), **kwargs)["cost"] for c in steps)
-    return dense / sparse
+    total = lambda budget: sum(cost(config, c, budget(c), **kwargs)["cost"] for c in steps)
+    return total(lambda c: None) / total(schedule)           # DENSE (2**40) >= any context: cost reads it all
 
 
 # ----------------------------------------------------------------------------- command line
