@@ -154,11 +154,10 @@ def by_bin(alpha, positions, schedule, bin_size, interval=1, q=0.05):
 def compressed_bins(positions, schedule, bin_size, interval=1):
     """The bins in which the cache compressed some row: `KVCache.start_step`'s rule replayed from the contexts.
 
-    positions [N, T]: each row's response sampled at contexts P .. its last (-1 after): the prefill keeps the
-    P-token prompt whole; each decode step adds a token at context c (P < c <= last) and, once the row holds
-    schedule(c) + interval tokens, keeps schedule(c). Not the context: after a compression a row holds fewer
-    tokens than its context, so a bin whose budget covers what the row still holds compresses nothing.
-    -> sorted list of bins, c // bin_size (past the last bin of `schedule`: in it).
+    positions [N, T]: each row's response sampled at contexts P .. its last (-1 after). The prefill keeps the
+    P-token prompt; each decode step adds a token at context c and, once the row holds schedule(c) + interval
+    tokens, keeps schedule(c). What a row holds, not its context, decides: a bin whose budget covers what the row
+    still holds compresses nothing. -> sorted list of bins, c // bin_size (past the last bin of `schedule`: in it).
     """
     first, last = positions[:, 0].cpu(), positions.amax(1).cpu()        # -1 after the response: never the max
     held, hit = first, set()
@@ -192,8 +191,7 @@ def measure(model, prompts, sparse, max_new_tokens, temperature=1.0, eos_token_i
             adapter=None):
     """Sample with `sparse`, re-score densely -> (alpha [N, T], positions [N, T], -1 off the responses).
 
-    The acceptance sums over the sampler's top-k ids, k = min(vocabulary, correction.ALPHA_TOPK) as in training:
-    exact on small vocabularies, a lower bound on large ones (section 4), so the threshold means the same in both.
+    The acceptance sums over the sampler's top-k ids as in training (section 4): the threshold means the same.
     With a DistillSparse `adapter` the sampler is theta + phi; the dense policy is always theta alone.
     """
     with adapter.on() if adapter else nullcontext():
@@ -279,8 +277,7 @@ class Controller:
 
     The probe is free: after each rollout batch the trainer already re-scores every sampled token densely
     (pi_old, docs/method.md section 1) at the sampler's top-k ids, so `update(alpha, positions)` costs a quantile
-    per bin and no forward pass (outside training: `measure` on a few rows, a dense forward over each).
-    The rule, per update:
+    per bin and no forward pass. The rule, per update:
     - a bin whose tail is below `threshold` multiplies `blamed_bin`'s budget by `up` (fast: a collapse is
       costly); if it blames none, eviction is not the cause and nothing moves;
     - a bin above `threshold + band`, with no failing bin at or after it, lowers its budget by `step` (slow);
@@ -490,16 +487,14 @@ def print_calibration(args, p):
         schedule, rows = calibrate(model, prompts, candidates, threshold, args.bin_size, args.sparse,
                                    args.max_new_tokens, eos_token_id=tok.eos_token_id,
                                    pad_token_id=tok.pad_token_id or 0, adapter=adapter)
-    print(f"Tail alpha (p05) per context bin at each constant candidate budget ({args.policy}), then the "
-          f"chosen budget (the smallest holding {threshold}, non-decreasing) and the tail re-measured "
-          "under the whole schedule\n")
-    print("| context | " + " | ".join(f"at {c}" for c in candidates) + " | chosen | tail | tokens |")
-    print("|---|" + "---|" * (len(candidates) + 3))
     cell = lambda t: "-" if math.isnan(t) else f"{t:.2f}"              # nan: the bin had no token
-    for r in rows:
-        print(f"| {r['bins'][0]}-{r['bins'][1] - 1} | " + " | ".join(map(cell, r["profile"])) +
-              f" | {r['budget'] or 'dense'} | {cell(r['tail']) if r['tokens'] else '-'} | {r['tokens']} |")
-    below = [f"{r['bins'][0]}-{r['bins'][1] - 1} ({r['tail']:.2f})" for r in rows if r["tail"] < threshold]
+    span = lambda r: f"{r['bins'][0]}-{r['bins'][1] - 1}"
+    print_table(f"Tail alpha (p05) per context bin at each constant candidate budget ({args.policy}), then the "
+                f"chosen budget (the smallest holding {threshold}, non-decreasing) and the tail re-measured "
+                "under the whole schedule", ["context", *(f"at {c}" for c in candidates), "chosen", "tail", "tokens"],
+                [[span(r), *map(cell, r["profile"]), r["budget"] or "dense", cell(r["tail"]), r["tokens"]]
+                 for r in rows])
+    below = [f"{span(r)} ({r['tail']:.2f})" for r in rows if r["tail"] < threshold]
     if below:   # calibrate stopped: no bin up to these evicts (or skips pages), so no budget can lift them
         print(f"below {threshold} with no bin to raise (none drops tokens: the mismatch is not the budget's): "
               + ", ".join(below))
@@ -521,18 +516,23 @@ def print_speedup(args, schedule):
     if args.policy == "blocktopk":                                  # Sparrow's, where no flag is given
         pages = dict(page_size=args.page_size or SparseConfig.page_size,
                      dense_layers=SparseConfig.dense_layers if args.dense_layers is None else args.dense_layers)
-    rows = [(f"{args.speedup} as calibrated: {list(schedule.budgets)} from {list(bins)}", schedule)]
+    schedules = [(f"{args.speedup} as calibrated: {list(schedule.budgets)} from {list(bins)}", schedule)]
     if len(bins) > 1 and factor > 1:   # a constant budget has no length to stretch; shrunk, bins would merge
-        rows.append((f"the same stretched x{factor:.0f} to {args.context} tokens", schedule.scaled(factor)))
-    rows += [(f"constant budget {b} (for scale)", constant(b)) for b in (8192, 4096, 2048)]
-    print(f"Predicted rollout speedup over dense ({args.policy}, {args.context} tokens decoded at batch "
-          f"{args.batch}; cost model of docs/method.md section 6 with H100 bf16 balance)\n")
-    print("| schedule | " + " | ".join(QWEN3) + " |\n|---|" + "---|" * len(QWEN3))
-    for label, x in rows:
-        print(f"| {label} | " + " | ".join(f"{speedup(c, x, args.context, batch=args.batch, **pages):.2f}x"
-                                           for c in QWEN3.values()) + " |")
-    print("| Sparrow reported (block top-k, threshold 0.86) | " +
-          " | ".join(f"{SPARROW_SPEEDUP[n]}x" for n in QWEN3) + " |")
+        schedules.append((f"the same stretched x{factor:.0f} to {args.context} tokens", schedule.scaled(factor)))
+    schedules += [(f"constant budget {b} (for scale)", constant(b)) for b in (8192, 4096, 2048)]
+    rows = [[label, *(f"{speedup(c, x, args.context, batch=args.batch, **pages):.2f}x" for c in QWEN3.values())]
+            for label, x in schedules]
+    rows.append(["Sparrow reported (block top-k, threshold 0.86)", *(f"{SPARROW_SPEEDUP[n]}x" for n in QWEN3)])
+    print_table(f"Predicted rollout speedup over dense ({args.policy}, {args.context} tokens decoded at batch "
+                f"{args.batch}; cost model of docs/method.md section 6 with H100 bf16 balance)", ["schedule", *QWEN3],
+                rows)
+
+
+def print_table(title, header, rows):
+    """The title, a blank line, then a markdown table: the `header` cells, a rule, and each row's cells."""
+    print(f"{title}\n\n| " + " | ".join(header) + " |\n" + "|---" * len(header) + "|")
+    for cells in rows:
+        print("| " + " | ".join(map(str, cells)) + " |")
 
 
 def main(argv=None):
