@@ -221,14 +221,13 @@ def bin_metrics(alpha, contexts, bin_size, schedule):
     tails, counts = tail_by_bin(alpha.cpu(), contexts.cpu(), bin_size)
 
     def largest(start, end):   # the budget only changes at the schedule's bin starts
-        if schedule is None:
-            return None
         most = max(schedule(c) for c in [start] + [b for b in schedule.bins if start < b < end])
         return None if most >= DENSE else most
 
     return dict(bin_size=bin_size, tokens_by_bin=counts.tolist(),
                 alpha_p05_by_bin=[None if math.isnan(t) else round(t, 4) for t in tails.tolist()],
-                budget_by_bin=[largest(i * bin_size, (i + 1) * bin_size) for i in range(len(tails))])
+                budget_by_bin=[None if schedule is None else largest(i * bin_size, (i + 1) * bin_size)
+                               for i in range(len(tails))])
 
 
 # ----------------------------------------------------------------------------- offline: Sparrow
