@@ -248,6 +248,40 @@ def test_compressed_bins_replays_the_caches_compressions(model, monkeypatch, int
     assert compressed_bins(token_contexts(out), schedule, bin_size, interval) == sorted(seen) == [1, 2]
 
 
+def test_by_bin_and_compressed_bins_against_a_token_by_token_replay():
+    # random batches (rows of prompts 1-40 tokens, responses cut short, bins of 1-16, interval 1-7, a dense last bin
+    # now and then) against plain loops: each token into its bin (past the last: the last), numpy's quantile, and
+    # each row held token by token, compressed to schedule(c) once it holds schedule(c) + interval
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        bin_size, n, interval, q = int(rng.choice([1, 4, 16])), int(rng.integers(1, 6)), int(rng.integers(1, 8)), 0.3
+        budgets = sorted(int(b) for b in rng.integers(1, 30, n))
+        budgets[-1] = None if rng.random() < 0.2 else budgets[-1]
+        schedule = piecewise([i * bin_size for i in range(n)], budgets)
+        T = int(rng.integers(1, 30))
+        rows = [(int(rng.integers(1, 40)), int(rng.integers(1, T + 1))) for _ in range(int(rng.integers(1, 5)))]
+        positions = torch.tensor([[p + t if t < length else -1 for t in range(T)] for p, length in rows])
+        alpha = torch.tensor(rng.uniform(0, 1, positions.shape))
+        tokens, longest, hit = [[] for _ in range(n)], [-1] * n, set()
+        for a, c in zip(alpha.flatten().tolist(), positions.flatten().tolist()):
+            if c >= 0:
+                i = min(c // bin_size, n - 1)
+                tokens[i].append(a)
+                longest[i] = max(longest[i], c)
+        for p, length in rows:
+            held = p
+            for c in range(p + 1, p + length):
+                held += 1
+                if held >= schedule(c) + interval:
+                    held = schedule(c)
+                    hit.add(min(c // bin_size, n - 1))
+        tails, counts, most, compressed = S.by_bin(alpha, positions, schedule, bin_size, interval, q)
+        assert counts.tolist() == [len(t) for t in tokens] and most.tolist() == longest
+        assert compressed == compressed_bins(positions, schedule, bin_size, interval) == sorted(hit)
+        expected = [np.quantile(t, q) if t else float("nan") for t in tokens]
+        assert np.allclose(tails.numpy(), expected, equal_nan=True, rtol=0, atol=1e-12)
+
+
 def test_a_bin_that_compresses_nothing_is_not_blamed_though_its_contexts_pass_its_budget():
     # One row, a 4-token prompt and 28 new tokens, interval 1, budgets 8 (contexts 0-15) and 24 (16-31): bin 0
     # compresses at contexts 9-15 and leaves 8 tokens; in bin 1 the row grows from 9 to 24 tokens, never 25,
@@ -573,9 +607,11 @@ def test_calibration_refuses_candidates_that_never_evict_before_sampling(tmp_pat
     monkeypatch.setattr(S, "calibrate", lambda *a, **k: pytest.fail("calibrated"))
     whence = f"the longest rollout holds at most {row}( tokens)? \\(prompt {longest} \\+ --max-new-tokens 12 - 1\\)"
     for flags, message in [
-            ([f"{row},{row + 8}"], f"--candidates {row}: {whence}, so snapkv would never evict: give a budget below {row}$"),
-            ([f"{row - 3}"], f"--interval 4: .* = {row + 1} tokens, and {whence}, so budget {row - 3} would never evict: "
-                             "give --interval at most 3$"),
+            ([f"{row},{row + 8}"],
+             f"--candidates {row}: {whence}, so snapkv would never evict: give a budget below {row}$"),
+            ([f"{row - 3}"],
+             f"--interval 4: .* = {row + 1} tokens, and {whence}, so budget {row - 3} would never evict: give "
+             "--interval at most 3$"),
             ([f"{4 * pages - 12}", "--policy", "blocktopk"],
              f"--candidates {4 * pages - 12}: {whence}, {pages} pages of 4, and blocktopk attends {pages} .*: every "
              f"page, so it would never skip one: give a budget below {4 * pages - 12}$")]:
