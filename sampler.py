@@ -113,7 +113,14 @@ def choose(logits, temperature, top_p, noise, k):
     return token, logp.gather(-1, token[:, None]).squeeze(-1), top.values, top.indices
 
 
-def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk):
+def end_ids(eos_token_id):
+    """The ids that end a row: none, one id, or a list of them (Hugging Face's form, as in Qwen's and Llama 3's
+    generation configs) -> a list."""
+    return [] if eos_token_id is None else list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) \
+        else [eos_token_id]
+
+
+def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk, eos_token_id=None, pad_token_id=0):
     """Reject bad input with a message naming the value, before any forward pass."""
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r:.80}")
@@ -126,12 +133,19 @@ def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     check_length(max(map(len, prompts)), max_new_tokens, model.config)
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 <= temperature < float("inf"):   # NaN too: it would sample token 0 and record NaN log-probs
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
     if not isinstance(logprobs_topk, int) or logprobs_topk < 1:
         raise ValueError(f"logprobs_topk must be a positive integer, got {logprobs_topk!r}")
+    # an id outside the vocabulary: an EOS would never match (rows run on past their end), a padding id would fail
+    # in the embedding, at the prefill or, with prompts of one length, mid-rollout when the first row ends
+    token_id = lambda i: isinstance(i, int) and 0 <= i < vocab
+    if not all(map(token_id, end_ids(eos_token_id))):
+        raise ValueError(f"eos_token_id must be a token id in [0, {vocab}) or a list of them, got {eos_token_id!r}")
+    if not token_id(pad_token_id):
+        raise ValueError(f"pad_token_id must be a token id in [0, {vocab}), got {pad_token_id!r}")
 
 
 def check_length(longest_prompt, max_new_tokens, config):
@@ -169,7 +183,8 @@ def generate(model, prompts, sparse=None, max_new_tokens=256, temperature=1.0, t
     """Sample a response for every prompt through a `KVCache` compressed as `sparse` says (None: dense).
 
     prompts: N lists of token ids (any lengths). Left-padded prefill, then one token per step
-    for every row; a row is done after EOS, the loop stops soon after all rows are done.
+    for every row; a row is done after EOS (`eos_token_id`: an id, or a list of ids as Hugging Face takes),
+    the loop stops soon after all rows are done.
     temperature 0 is greedy (log-probs are then recorded at temperature 1). Reproducible per
     `seed`. With `record=True`, `kept` holds what each step attended and `stats["cache"]` is the cache.
     `captured=True` decodes through `static.StaticCache`, whose step keeps its shapes: replayed from a
@@ -177,8 +192,9 @@ def generate(model, prompts, sparse=None, max_new_tokens=256, temperature=1.0, t
     Returns `Rollouts` with T = the steps up to the last row's EOS (or max_new_tokens); the cache's
     stats count every step it ran.
     """
-    check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk)
+    check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk, eos_token_id, pad_token_id)
     sparse, device = sparse or SparseConfig(), model.device
+    ends = torch.tensor(end_ids(eos_token_id), dtype=torch.long, device=device)   # [E], E = 0: no EOS
     ids, positions = left_pad(prompts, pad_token_id, device)
     N, k = len(prompts), min(logprobs_topk, model.config.vocab_size)
     cache = (StaticCache if captured else KVCache)(sparse, model.config.num_hidden_layers, max_new_tokens, seed, record)
@@ -204,8 +220,8 @@ def generate(model, prompts, sparse=None, max_new_tokens=256, temperature=1.0, t
             logprobs.append(logprob * live)
             topk_logprobs.append(top_logprobs)
             topk_ids.append(top_ids)
-            if eos_token_id is not None:
-                done |= token == eos_token_id
+            if len(ends):
+                done |= torch.isin(token, ends)
                 if t % DONE_EVERY == DONE_EVERY - 1 and bool(done.all()):
                     break
             if t == max_new_tokens - 1:

@@ -16,6 +16,7 @@ PROMPTS = [[5, 9, 3, 7, 1, 12, 33, 8, 2], [4, 17, 6], [21, 22, 23, 24, 25, 26]]
 @pytest.mark.parametrize("arch, overrides", [
     ("llama", {}), ("qwen2", {}), ("qwen3", {}),
     ("mistral", {"sliding_window": 6}),     # a window shorter than the sequence: exercised, not skipped
+    ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),   # layer 1 slides, 0 does not
 ])
 def test_full_cache_greedy_equals_hugging_face(arch, overrides):
     model = tiny_model(arch, **overrides)
@@ -54,6 +55,44 @@ def test_eviction_equals_masking(policy, interval):
     assert (out.logprobs - dense).abs().max() > 1e-2
 
 
+def test_a_list_of_eos_ids_ends_each_row_at_the_first_of_them_like_hugging_face():
+    # Hugging Face's generation configs name several end ids (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>);
+    # `token == [a, b]` was False, so every row ran on to max_new_tokens, its mask 1 past its end
+    model = tiny_model("llama")
+    greedy = hf_greedy(model, PROMPTS, 24)
+    eos = [greedy[0, 3].item(), greedy[2, 6].item()]                  # row 0 ends at step 3 at the latest
+    theirs = hf_greedy(model, PROMPTS, 24, pad_token_id=7, eos_token_id=eos)
+    ours = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=24, temperature=0, eos_token_id=eos,
+                    pad_token_id=7)
+    T = theirs.shape[1]
+    assert T < 24 and torch.equal(ours.tokens[:, :T], theirs) and (ours.tokens[:, T:] == 7).all()
+    ends = [next(t for t, token in enumerate(row.tolist()) if token in eos) for row in ours.tokens]
+    assert ours.mask.tolist() == [[1.0] * (end + 1) + [0.0] * (ours.tokens.shape[1] - end - 1) for end in ends]
+
+
+def test_sampling_draws_what_hugging_face_draws_from_the_same_seed():
+    # generate's noise (sample_token) is torch.multinomial's draw from a generator seeded as torch.manual_seed seeds
+    # the global one: with the same seed, temperature and top-p, Hugging Face's sampling (top_k off) picks the same
+    # tokens for a left-padded batch, rows ending at an EOS and padded with a pad id that is not 0
+    model = tiny_model("qwen3")
+    P = max(map(len, PROMPTS))
+    ids = torch.tensor([[7] * (P - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in PROMPTS])
+    def hugging_face(temperature, top_p, eos):
+        torch.manual_seed(5)
+        return model.generate(ids, attention_mask=mask, do_sample=True, temperature=temperature, top_p=top_p,
+                              top_k=0, max_new_tokens=20, min_new_tokens=0, pad_token_id=7, eos_token_id=eos)[:, P:]
+    for temperature, top_p in [(1.0, 1.0), (0.7, 0.8)]:
+        eos = hugging_face(temperature, top_p, None)[1, 4].item()        # row 1 ends at step 4 at the latest
+        for end in (None, eos):
+            theirs = hugging_face(temperature, top_p, end)
+            ours = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=20, temperature=temperature,
+                            top_p=top_p, eos_token_id=end, pad_token_id=7, seed=5)
+            T = theirs.shape[1]
+            assert torch.equal(ours.tokens[:, :T], theirs) and (ours.tokens[:, T:] == 7).all()
+            assert end is None or ours.mask[1].sum() <= 5                  # row 1 ended
+
+
 def test_every_row_ends_at_its_eos_and_the_rollout_at_the_last_one(monkeypatch):
     # a token all three rows emit (greedy: first at steps 2, 21 and 1) is the EOS. Hugging Face stops when every
     # row has ended: tokens [N, T] with T = the last EOS + 1; mask 1 up to and including each row's EOS;
@@ -84,7 +123,8 @@ def test_every_row_ends_at_its_eos_and_the_rollout_at_the_last_one(monkeypatch):
 
 
 def test_eviction_equals_masking_qwen3_sliding_mistral():
-    for arch, overrides in [("qwen3", {}), ("mistral", {"sliding_window": 12})]:
+    for arch, overrides in [("qwen3", {}), ("mistral", {"sliding_window": 12}),
+                            ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1))]:
         model = tiny_model(arch, **overrides)
         out = generate(model, PROMPTS, SparseConfig("rkv", budget=8, interval=3, window=2, sink=2),
                        max_new_tokens=25, temperature=1.0, record=True)
@@ -182,7 +222,14 @@ def test_bfloat16_runs_close_to_float32():
     ([[1, 2, 3], [4]], dict(max_new_tokens=510), "max_new_tokens \\(--max-new-tokens\\) 510: the longest prompt "
                                                  "\\(3 tokens\\) plus the response must fit the model's 512 positions, "
                                                  "so at most 509"),
-    ([[1, 2]], dict(temperature=-0.5), "temperature must be >= 0"),
+    ([[1, 2]], dict(temperature=-0.5), "temperature must be a finite number >= 0 \\(0 = greedy\\), got -0.5"),
+    ([[1, 2]], dict(temperature=float("nan")), "temperature must be a finite number >= 0 .*, got nan"),  # was: NaN
+    ([[1, 2]], dict(temperature=float("inf")), "temperature must be a finite number >= 0 .*, got inf"),  # log-probs
+    ([[1, 2]], dict(pad_token_id=64), "pad_token_id must be a token id in \\[0, 64\\), got 64"),   # was: an IndexError
+    ([[1, 2]], dict(pad_token_id=None), "pad_token_id must be a token id in \\[0, 64\\), got None"),  # mid-rollout
+    ([[1, 2]], dict(eos_token_id=64), "eos_token_id must be a token id in \\[0, 64\\) or a list of them, got 64"),
+    ([[1, 2]], dict(eos_token_id=[3, -1]), "eos_token_id must be .* or a list of them, got \\[3, -1\\]"),
+    ([[1, 2]], dict(eos_token_id="2"), "eos_token_id must be .*, got '2'"),
     ([[1, 2]], dict(top_p=0.0), "top_p must lie in \\(0, 1\\], got 0.0"),
     ([[1, 2]], dict(top_p=1.5), "top_p must lie in \\(0, 1\\], got 1.5"),
 ])
