@@ -221,7 +221,7 @@ def generate(model, prompts, sparse=None, max_new_tokens=256, temperature=1.0, t
             topk_logprobs.append(top_logprobs)
             topk_ids.append(top_ids)
             if len(ends):
-                done |= torch.isin(token, ends)
+                done |= (token[:, None] == ends).any(-1)     # not isin: past a few ids it sorts, a sync on a GPU
                 if t % DONE_EVERY == DONE_EVERY - 1 and bool(done.all()):
                     break
             if t == max_new_tokens - 1:
