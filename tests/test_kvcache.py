@@ -73,6 +73,21 @@ def test_each_row_of_a_padded_batch_keeps_what_the_one_prompt_reference_keeps(po
         assert cache.compressions > 3
 
 
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "rkv"])
+@pytest.mark.parametrize("budget, interval, window, sink, lengths", [
+    (7, 1, 3, 2, (7, 7, 7)),       # every prompt exactly the budget: a compression at every decode step from the first
+    (6, 3, 3, 2, (8, 9, 10)),      # prompts one short of, at and one past budget + interval (each falls due at once)
+    (5, 2, 5, 0, (11, 6, 2)),      # the window is the whole budget: no sink, nothing scored is kept
+    (9, 1, 3, 6, (9, 10, 1)),      # the sinks fill all the budget the window leaves; a 1-token prompt
+    (1, 4, 1, 0, (1, 1, 1)),       # the smallest budget: the newest token alone, after 4 steps of growth
+], ids=["budget=prompt", "budget+interval", "window=budget", "sink=budget-window", "budget=1"])
+def test_budget_window_and_sink_edges_keep_what_the_one_prompt_reference_keeps(policy, budget, interval, window, sink,
+                                                                               lengths):
+    sparse = SparseConfig(policy, budget=budget, interval=interval, window=window, sink=sink, kernel=3)
+    cache = check_against_one_prompt_reference(sparse, lengths=lengths, new_tokens=14)
+    assert cache.compressions >= 3
+
+
 @pytest.mark.parametrize("policy", ["h2o", "rkv"])
 def test_scores_computed_in_chunks_match_the_one_prompt_reference(monkeypatch, policy):
     # H2O's prefill softmax and R-KV's similarity rows go CHUNK rows at a time; with CHUNK = 3 the 13-query
