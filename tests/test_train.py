@@ -352,6 +352,48 @@ def test_resume_survives_a_half_written_line_and_reads_state_with_weights_only(t
     assert (kept / "step-000003").is_dir() and (tmp_path / "previous-2" / "step-000001").is_dir()
 
 
+def saved_run(out, *argv):
+    """A checkpoint folder out/step-000002 as train.py writes it (args.json, config.json, trainer_state.pt), with no
+    weights: enough for --resume's checks, which come before any model loads."""
+    (out / "step-000002").mkdir(parents=True)
+    args = train.parse_args(SMALL + ["--out", str(out), "--steps", "2", *argv])
+    (out / "step-000002" / "args.json").write_text(json.dumps(vars(args)))
+    (out / "step-000002" / "config.json").write_text("{}")
+    torch.save(dict(step=2), out / "step-000002" / "trainer_state.pt")
+
+
+@pytest.mark.parametrize("flag, there, here", [
+    ("--policy", "'snapkv'", "'h2o'"), ("--budget", "10", "8"), ("--interval", "2", "3"), ("--window", "2", "3"),
+    ("--sink", "2", "1"), ("--correction", "'sparse-rl'", "'none'"), ("--group-size", "4", "2"),
+    ("--keep", "4", "2"), ("--max-new-tokens", "10", "12"), ("--temperature", "1.0", "0.7"), ("--eval-size", "32", "16"),
+    ("--distill", "'off'", "'kl'"), ("--bin-size", "16", "8"), ("--kl", "0.0", "0.1"), ("--reward", "'task'", "'exact'"),
+    ("--controller", "None", "0.9")])
+def test_resume_refuses_a_flag_that_changes_the_steps_before_any_model_loads(tmp_path, monkeypatch, flag, there, here):
+    """Was: each of these printed one line and trained on, so metrics.jsonl and the summary mixed two caches (or
+    corrections, groups, held-out sets). The error names the flag, its saved value and the new one."""
+    saved_run(tmp_path)
+    monkeypatch.setattr(train, "load_model", lambda *a: pytest.fail("a model loaded"))
+    message = f"^error: --resume: .*step-000002 was made by another run \\({flag} {there} there, {here} here[;)]"
+    with pytest.raises(SystemExit, match=message):
+        train.main(SMALL + ["--out", str(tmp_path), "--steps", "4", "--resume", flag, here.strip("'")])
+
+
+def test_resume_may_change_how_long_how_often_where_and_the_lr_and_evaluate_under_any_cache(tmp_path, capsys):
+    saved_run(tmp_path)
+    argv = ["--steps", "9", "--eval-every", "3", "--save-every", "3", "--lr", "3e-5", "--lora-lr-scale", "2",
+            "--micro-batch", "1", "--captured", "--device", "cpu", "--threads", "1", "--dtype", "bfloat16"]
+    args = train.parse_args(SMALL + ["--out", str(tmp_path), "--resume", *argv])
+    assert train.resume_point(args, tmp_path).name == "step-000002"
+    said = [l for l in capsys.readouterr().out.splitlines() if l.startswith("resuming with")]
+    assert len(said) == 10 and "resuming with a setting of its own: --lr 1e-05 there, 3e-05 here" in said
+    # evaluate only (--steps 0): another cache is the point; the run's own settings still hold
+    args = train.parse_args(SMALL + ["--out", str(tmp_path), "--resume", "--steps", "0", "--policy", "h2o", "--budget", "8"])
+    assert train.resume_point(args, tmp_path).name == "step-000002"
+    args = train.parse_args(SMALL + ["--out", str(tmp_path), "--resume", "--steps", "0", "--seed", "1"])
+    with pytest.raises(ValueError, match="--seed 0 there, 1 here\\); pass its settings, or another --out$"):
+        train.resume_point(args, tmp_path)
+
+
 def test_an_out_that_is_a_file_is_one_clear_line(tmp_path):
     (tmp_path / "afile").write_text("")
     for out in (tmp_path / "afile", tmp_path / "afile" / "sub" / "run"):      # itself, or a folder it would go in
