@@ -115,10 +115,16 @@ def inference(args):
 
 # ----------------------------------------------------------------------------- runs: comparing training runs
 
+# what the tables and plots read of each line, besides its step: checked as each run is read, before any model
+# loads (else a folder of other JSON lines is a KeyError, after --robust-budgets' evaluations)
+LOG_KEYS = {"metrics.jsonl": ("reward", "tokens", "dropped_tokens", "vetoed", "peak_kv_bytes", "dense_kv_bytes",
+                              "rollout_s", "scoring_s", "update_s"), "eval.jsonl": ("dense", "sparse")}
+
+
 def read_run(folder):
     """(metrics lines, eval lines) of a `train.py --out` folder, each sorted by step (a repeated step: its last line)."""
     logs = []
-    for name in ("metrics.jsonl", "eval.jsonl"):
+    for name, keys in LOG_KEYS.items():
         path = Path(folder) / name
         if not path.is_file():
             raise ValueError(f"{folder!r} is not a train.py run folder: it holds no {name}"
@@ -132,8 +138,11 @@ def read_run(folder):
                     raise ValueError(f"{path} is not JSON lines: {error}") from None
         if not lines:
             raise ValueError(f"{path} is empty")
-        if stepless := [i for i, line in enumerate(lines, 1) if not isinstance(line, dict) or "step" not in line]:
-            raise ValueError(f"{path} line {stepless[0]} has no \"step\": not a train.py log")
+        if stepless := [i for i, line in enumerate(lines, 1) if not isinstance(line, dict)
+                        or type(line.get("step")) is not int]:
+            raise ValueError(f"{path} line {stepless[0]} has no \"step\" (a whole number): not a train.py log")
+        if lacking := [(i, k) for i, line in enumerate(lines, 1) for k in keys if k not in line]:
+            raise ValueError(f"{path} line {lacking[0][0]} has no {lacking[0][1]!r}: not a train.py log")
         logs.append(sorted({line["step"]: line for line in lines}.values(), key=lambda line: line["step"]))
     return tuple(logs)
 

@@ -149,7 +149,9 @@ def test_running_mean_and_variant_names():
     (["--robust-budgets", "0"], "--robust-budgets must be >= 1, got 0"),
     (["--robust-budgets", "8"], "grpo-s0' holds no checkpoint step-NNNNNN with args.json"),
     (["NOT-A-RUN"], "'.*NOT-A-RUN' is not a train.py run folder: it holds no metrics.jsonl"),
-    (["STEPLESS"], "STEPLESS/metrics.jsonl line 2 has no \"step\": not a train.py log"),
+    (["STEPLESS"], "STEPLESS/metrics.jsonl line 2 has no \"step\" \\(a whole number\\): not a train.py log"),
+    # other JSON lines: was a KeyError traceback, after --robust-budgets had loaded and evaluated every final model
+    (["LACKING", "--robust-budgets", "8"], "LACKING/eval.jsonl line 2 has no 'sparse': not a train.py log"),
     (["TWICE"], "a run folder is given twice"),                        # it would count as a second seed
 ])
 def test_bad_input_is_one_clear_line_before_any_model_is_loaded(runs, tmp_path, monkeypatch, extra, message):
@@ -157,6 +159,8 @@ def test_bad_input_is_one_clear_line_before_any_model_is_loaded(runs, tmp_path, 
     (tmp_path / "STEPLESS").mkdir()
     (tmp_path / "STEPLESS" / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"reward": 0.5}\n{"ste')
     (tmp_path / "STEPLESS" / "eval.jsonl").write_text('{"step": 0, "dense": 0.5}\n')
+    write_run(tmp_path / "LACKING", [line(1, 100, 0, 0, 1, 1, (1, 0, 0), [1.0])], [(0, .5, .5)])
+    (tmp_path / "LACKING" / "eval.jsonl").write_text('{"step": 0, "dense": 0.5, "sparse": 0.5}\n{"step": 1, "dense": 0.6}\n')
     extra = [runs[0] + "/" if e == "TWICE" else str(tmp_path / e) if e.isupper() else e for e in extra]
     monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit, match=message) as exit_info:
@@ -371,6 +375,8 @@ def test_a_repeated_step_keeps_its_last_line(tmp_path):
     ('{"step": 1}\n{"step": 2, oops\n{"step": 3, "rew', "metrics.jsonl is not JSON lines"),   # bad before the last
     ("\n  \n", "metrics.jsonl is empty"),                                                    # blank lines only
     ('{"step": 1}\n5\n{"reward": 1}\n', 'metrics.jsonl line 2 has no "step"'),            # the first stepless one
+    ('{"step": 1}\n{"step": "2"}\n', 'metrics.jsonl line 2 has no "step" \\(a whole number\\)'),   # was a TypeError
+    ('{"step": 1, "reward": 1}\n', "metrics.jsonl line 1 has no 'tokens': not a train.py log"),       # was a KeyError
 ])
 def test_read_run_forgives_a_half_written_last_line_only(tmp_path, text, message):
     # Pins read_run's rules: only the last line may fail to parse (a killed run's), a file of blank lines is empty,
@@ -380,7 +386,8 @@ def test_read_run_forgives_a_half_written_last_line_only(tmp_path, text, message
     (tmp_path / "r-s0" / "metrics.jsonl").write_text(text)
     with pytest.raises(ValueError, match=message):
         report.read_run(folder)
-    (tmp_path / "r-s0" / "metrics.jsonl").write_text('{"step": 1}\n\n   \n{"step": 2}\n{"step": 3, "re')
+    full = lambda step: json.dumps(line(step, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]))
+    (tmp_path / "r-s0" / "metrics.jsonl").write_text(f'{full(1)}\n\n   \n{full(2)}\n{{"step": 3, "re')
     assert [m["step"] for m in report.read_run(folder)[0]] == [1, 2]
 
 
