@@ -39,7 +39,8 @@ import train
 from correction import ALPHA_TOPK
 from evaluate import accuracy, eval_rewards, run_inference, run_reward
 from kvcache import POLICIES, SparseConfig
-from models import CACHE_DIR, DTYPES, SMOLLM2, last_checkpoint, load_pretrained, pick_device, toy_settings
+from models import (CACHE_DIR, DTYPES, SMOLLM2, autocast, last_checkpoint, load_pretrained, pick_device,
+                    toy_settings)
 from sampler import generate
 from schedule import THRESHOLD
 from tasks import TOY_TASKS, encode_prompt, held_out_examples, load_jsonl, numeric_reward
@@ -358,11 +359,13 @@ def robust_plan(folder, final_step, budgets):
 
 
 def robust_accuracy(ckpt, args, configs, device):
-    """Greedy accuracy of a final model on its run's own held-out prompts (rebuilt as train.py does), per cache."""
-    model, tokenizer = load_pretrained(str(ckpt), device=device, dtype=DTYPES[args.dtype])
+    """Greedy accuracy of a final model on its run's own held-out prompts (rebuilt as train.py does), per cache.
+    As train.py evaluates: fp32 weights, --dtype bfloat16 under autocast (bf16 weights answer otherwise)."""
+    model, tokenizer = load_pretrained(str(ckpt), device=device)
     _, held_out = train.load_data(args)
-    return [accuracy(eval_rewards(model, tokenizer, held_out, run_reward(args), sparse, args.max_new_tokens))
-            for sparse in configs]
+    with autocast(args.dtype, model.device):
+        return [accuracy(eval_rewards(model, tokenizer, held_out, run_reward(args), sparse, args.max_new_tokens))
+                for sparse in configs]
 
 
 def runs(args):

@@ -275,12 +275,13 @@ def test_robust_budgets_name_the_first_bad_budget(runs, tmp_path):
         report.main(["runs", *runs, "--robust-budgets", "8", "0", "-3", "--out", str(tmp_path / "r")])
 
 
-def test_robust_budgets_reproduce_the_runs_own_final_evaluations(tmp_path, capsys):
+@pytest.mark.parametrize("precision", [[], ["--dtype", "bfloat16", "--eval-size", "256"]], ids=["fp32", "bf16"])
+def test_robust_budgets_reproduce_the_runs_own_final_evaluations(tmp_path, capsys, precision):
     # A 1-step run (60 warm-up steps: dense 0.438, sparse 0.344 here; 4 s). At its training budget (SnapKV 10) the
     # final model must score what train.py's own final sparse evaluation wrote; at 64, more than any context here,
-    # what the dense one wrote.
+    # what the dense one wrote. bf16: as train.py, fp32 weights under autocast (bf16 weights: 0.293, not 0.289)
     folder = tmp_path / "tiny-s0"
-    train.main(SMALL + ["--warmup-steps", "60", "--steps", "1", "--out", str(folder)])
+    train.main(SMALL + ["--warmup-steps", "60", "--steps", "1", "--out", str(folder), *precision])
     final = json.loads((folder / "eval.jsonl").read_text().splitlines()[-1])
     assert final["dense"] != final["sparse"]                                # else the check below proves little
     capsys.readouterr()
