@@ -160,7 +160,8 @@ def test_bad_input_is_one_clear_line_before_any_model_is_loaded(runs, tmp_path, 
     (tmp_path / "STEPLESS" / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"reward": 0.5}\n{"ste')
     (tmp_path / "STEPLESS" / "eval.jsonl").write_text('{"step": 0, "dense": 0.5}\n')
     write_run(tmp_path / "LACKING", [line(1, 100, 0, 0, 1, 1, (1, 0, 0), [1.0])], [(0, .5, .5)])
-    (tmp_path / "LACKING" / "eval.jsonl").write_text('{"step": 0, "dense": 0.5, "sparse": 0.5}\n{"step": 1, "dense": 0.6}\n')
+    (tmp_path / "LACKING" / "eval.jsonl").write_text('{"step": 0, "dense": 0.5, "sparse": 0.5}\n'
+                                                     '{"step": 1, "dense": 0.6}\n')
     extra = [runs[0] + "/" if e == "TWICE" else str(tmp_path / e) if e.isupper() else e for e in extra]
     monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit, match=message) as exit_info:
@@ -292,7 +293,8 @@ def test_robust_budgets_reproduce_the_runs_own_final_evaluations(tmp_path, capsy
     report.main(["runs", str(folder), "--robust-budgets", "10", "64", "--out", str(tmp_path / "r")])
     comparison = tables(capsys.readouterr().out)[0]
     assert comparison["variant"][8:10] == ["sparse @ 10", "sparse @ 64"]
-    own, checked = [f"{final['sparse']:.3f} ± 0.000", f"{final['dense']:.3f} ± 0.000"], 1 if "--distill" in flags else 2
+    own = [f"{final['sparse']:.3f} ± 0.000", f"{final['dense']:.3f} ± 0.000"]
+    checked = 1 if "--distill" in flags else 2
     assert comparison["tiny"][8:8 + checked] == own[:checked]
 
 
