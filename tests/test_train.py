@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import cli
@@ -83,6 +84,10 @@ def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path, warm, online
     if "--distill" in online:      # and the adapter with its optimizer: step 3 samples with theta + phi
         assert (tmp_path / "split" / "step-000002" / "adapter.safetensors").is_file()
     assert untimed(resumed) == untimed(straight)                      # steps 1-2 kept, 3-4 recomputed
+    for name in ("model.safetensors", "adapter.safetensors"):           # and the final weights, bit for bit
+        if (tmp_path / "straight" / "step-000004" / name).is_file():
+            a, b = (load_file(tmp_path / run / "step-000004" / name) for run in ("straight", "split"))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     read = lambda name: (tmp_path / name / "eval.jsonl").read_text()
     assert read("split") == read("straight")
     assert [json.loads(l)["step"] for l in read("split").splitlines()] == evals
