@@ -250,17 +250,19 @@ def threads(args):
 
 
 def truncate_log(path, last_step):
-    """Keep the lines of a JSONL log up to `last_step` (a resumed run rewrites what came after). A line that
-    is not JSON, such as one half written when the run was killed, is dropped."""
+    """Keep the lines of a JSONL log up to `last_step` (a resumed run rewrites what came after); -> their steps.
+    A line that is not JSON, such as one half written when the run was killed, is dropped."""
+    lines, steps = [], []
     if path.exists():
-        lines = []
         for line in path.read_text().splitlines():
             try:
-                if json.loads(line)["step"] <= last_step:
+                if (step := json.loads(line)["step"]) <= last_step:
                     lines.append(line)
+                    steps.append(step)
             except (json.JSONDecodeError, KeyError, TypeError):
                 pass
         write_text_atomically(path, "".join(l + "\n" for l in lines))   # a kill mid-write keeps the old log
+    return steps
 
 
 def main(argv=None):
@@ -322,7 +324,7 @@ def main(argv=None):
     # uninterrupted run has one there (a multiple of --eval-every before the end): not the old run's final one
     evaluated = start > 0 and start % args.eval_every == 0 and start < args.steps
     truncate_log(out / "metrics.jsonl", start if start else -1)
-    truncate_log(out / "eval.jsonl", start if evaluated else start - 1)
+    kept = truncate_log(out / "eval.jsonl", start if evaluated else start - 1)
     print(f"rollouts: {sparse}; correction: {args.correction}; {args.prompts} prompts x {args.group_size} "
           f"rollouts (train on {args.keep}); {args.steps} steps on {device}")
 
@@ -334,6 +336,8 @@ def main(argv=None):
         return result
 
     first_eval = run_eval(start) if start == 0 else None
+    if evaluated and start not in kept:   # killed after its checkpoint at `start`, before its evaluation was written
+        run_eval(start)
     bar = tqdm(range(start + 1, args.steps + 1), desc="GRPO", dynamic_ncols=True)
     history = []
     for step in bar:

@@ -93,6 +93,26 @@ def test_resume_gives_the_metrics_of_an_uninterrupted_run(tmp_path, warm, online
     assert [json.loads(l)["step"] for l in read("split").splitlines()] == evals
 
 
+def test_a_run_killed_in_its_final_evaluation_and_resumed_longer_evaluates_at_its_checkpoint(tmp_path, warm,
+                                                                                              monkeypatch):
+    # Ctrl-C during the 2-step run's final evaluation (after its checkpoint at 2), then --resume to 4: an
+    # uninterrupted 4-step run evaluates at 0, 2, 4. Was: 0, 4 (the evaluation at 2 was due, but never rerun)
+    run_in(tmp_path / "straight", warm, "--steps", "4", "--save-every", "2", "--eval-every", "2")
+    real, calls = train.eval_both, []
+    def killed_at_the_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(train, "eval_both", killed_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        run_in(tmp_path / "split", warm, "--steps", "2", "--save-every", "2", "--eval-every", "2")
+    monkeypatch.setattr(train, "eval_both", real)
+    run_in(tmp_path / "split", warm, "--steps", "4", "--save-every", "2", "--eval-every", "2", "--resume")
+    read = lambda name: (tmp_path / name / "eval.jsonl").read_text()
+    assert read("split") == read("straight") and read("split").count("\n") == 3
+
+
 def test_a_schedule_file_equal_to_the_budget_gives_the_same_run_and_a_tighter_one_evicts_more(tmp_path, warm):
     S.constant(10).save(tmp_path / "constant.json")
     S.piecewise([0, 12], [6, 8]).save(tmp_path / "tight.json")
