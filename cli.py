@@ -178,8 +178,8 @@ def parse_args(argv=None, description=TRAIN_HELP, hide=()):
                    "--steps, at most 50, so that a short run on a real model keeps checkpoints too")
     g.add_argument("--seed", type=int, default=0, help="seeds the warm-up, the prompts and every step's sampling")
     g.add_argument("--out", default="out", help="output folder")
-    g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out "
-                   "(with --steps 0: evaluate it)")
+    g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out, "
+                   "its settings kept (train.RESUMABLE: what may change); with --steps 0: evaluate it")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU; "
                    "cuda with --model smollm2-135m (no --data): the one-GPU preset (cli.GPU)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch; none: 1 for the toy model "
