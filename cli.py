@@ -3,6 +3,7 @@
 One block of settings (nanoGPT keeps one), then `parse_args` (flags grouped by concept, `--help` shows the
 value each will take) and `check_args` (every bad value one clear error line, before any model loads). Its
 checks of any flag's value (`check_values`, `check_least`, `check_out_file`) serve every script's command line.
+Last, `resume_point`: what `--resume` may change of the run its checkpoint was made by (`RESUMABLE`).
 The toy tasks' own settings live in tasks.py (`TOY_TASKS`), below both this file and schedule.py.
 
     from cli import parse_args, check_args
@@ -16,7 +17,7 @@ from pathlib import Path
 import correction as C
 import distill
 from kvcache import POLICIES
-from models import CACHE_DIR, DTYPES, SMOLLM2
+from models import CACHE_DIR, DTYPES, SMOLLM2, checkpoint_args, last_checkpoint
 from policies import RESERVED_PAGES
 from tasks import TASKS, TOY_TASKS, get_task
 
@@ -78,7 +79,7 @@ TRAIN_HELP = ("Sparse-RL: GRPO on rollouts sampled through a compressed KV cache
 
 
 # the flags that only training reads: an evaluate-only run (evaluate.py, --steps 0) accepts them, its --help leaves
-# them out, and a checkpoint's other value of one is no setting of the evaluation's own (train.resume_point)
+# them out, and a checkpoint's other value of one is no setting of the evaluation's own (resume_point)
 TRAINING_ONLY = ("captured", "temperature", "schedule", "controller", "bin_size", "correction", "veto", "band", "cap",
                  "prompts", "group_size", "keep", "downsample", "no_std", "ppo_epochs", "minibatch", "micro_batch", "lr",
                  "clip", "kl", "agg", "lora_lr_scale", "distill_lambda", "steps", "eval_every", "save_every")
@@ -179,7 +180,7 @@ def parse_args(argv=None, description=TRAIN_HELP, hide=()):
     g.add_argument("--seed", type=int, default=0, help="seeds the warm-up, the prompts and every step's sampling")
     g.add_argument("--out", default="out", help="output folder")
     g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out, "
-                   "its settings kept (train.RESUMABLE: what may change); with --steps 0: evaluate it")
+                   "its settings kept (RESUMABLE: what may change); with --steps 0: evaluate it")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU; "
                    "cuda with --model smollm2-135m (no --data): the one-GPU preset (cli.GPU)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch; none: 1 for the toy model "
@@ -345,3 +346,43 @@ def check_dense_layers(dense_layers, layers, model="the model"):
     if dense_layers >= layers:
         raise ValueError(f"--dense-layers {dense_layers}: {model} has {layers} layers, so block top-k would attend "
                          f"to every token in each; give at most {layers - 1}")
+
+
+RUN_KEYS = ("model", "gguf_file", "data", "eval_data", "task", "digits", "seed", "warmup_steps")   # what makes a run
+# What a resumed training run may change: how long and how often (steps, evaluations, checkpoints), where and how
+# it computes (the same steps, within rounding) and its learning rates (a restart at a new lr, said in one line).
+# Every other flag sets what a step computes (the cache, the sampling, rewards, correction, loss, groups, held-out
+# prompts): a new value would leave one metrics.jsonl and one summary that mix two runs, so it is refused. With
+# --steps 0 only RUN_KEYS count: evaluating a checkpoint under other caches is what evaluation is for.
+RESUMABLE = ("steps", "eval_every", "save_every", "lr", "lora_lr_scale", "micro_batch", "captured", "device", "threads",
+             "dtype", "cache_dir", "out")
+
+
+def resume_point(args, out):
+    """The checkpoint --resume continues from: the last in `out`. A ValueError, before any model loads, where there
+    is none, where it was made by another run (RUN_KEYS, or when training any flag outside RESUMABLE, differ in its
+    args.json), or where --steps ends before it. Each other difference is printed."""
+    ckpt = last_checkpoint(out)
+    if ckpt is None:
+        earlier = sorted(p.name for p in out.glob("previous-*"))
+        raise ValueError(f"--resume: no checkpoint step-NNNNNN in {str(out)!r}; run without --resume to start one"
+                         + (f" (earlier runs: {', '.join(earlier)})" if earlier else ""))
+    saved = checkpoint_args(ckpt)                                      # a damaged one: a ValueError
+    # a file is the same one at the same path, or (the clone moved, the path is gone) by the same name
+    same = lambda k, a, b: a == b or (k in ("data", "eval_data", "schedule") and a and b and not Path(a).exists()
+                                      and Path(a).name == Path(b).name)
+    keys = [k for k in saved if k != "resume" and k in vars(args) and not same(k, saved[k], getattr(args, k))]
+    said = lambda k: f"--{k.replace('_', '-')} {saved[k]!r} there, {getattr(args, k)!r} here"
+    if refused := [said(k) for k in keys if k in RUN_KEYS or (args.steps and k not in RESUMABLE)]:
+        free = f" (training on, a resume may change only {', '.join('--' + k.replace('_', '-') for k in RESUMABLE)})"
+        raise ValueError(f"--resume: {ckpt} was made by another run ({'; '.join(refused)}); pass its settings"
+                         f"{free if args.steps else ''}, or another --out")
+    quiet = ("eval_policies", "eval_budgets") + (() if args.steps else TRAINING_ONLY)
+    for k in keys:   # evaluate-only flags, and with --steps 0 (evaluate only) training's own, are no settings
+        if k not in quiet:
+            print(f"resuming with a setting of its own: {said(k)}")
+    step = int(ckpt.name[len("step-"):])
+    if 0 < args.steps < step:
+        raise ValueError(f"--steps {args.steps} ends before {ckpt.name}: nothing to train (--steps {step} reruns its "
+                         "final evaluation, more trains on)")
+    return ckpt

@@ -41,10 +41,10 @@ from tqdm import tqdm
 import correction as C
 import distill
 import schedule as S
-from cli import TRAINING_ONLY, check_args, check_fits, parse_args
+from cli import check_args, check_fits, parse_args, resume_point
 from evaluate import eval_both, evaluate_only, rewards_of, run_reward
 from kvcache import SparseConfig
-from models import (autocast, checkpoint_args, last_checkpoint, load_checkpoint, load_pretrained, pick_device,
+from models import (autocast, last_checkpoint, load_checkpoint, load_pretrained, pick_device,
                     save_atomically, save_checkpoint, set_aside, toy_model, warm_up, write_text_atomically)
 from sampler import check_length, clock, generate
 from tasks import (ALPHABET, char_tokenizer, encode_prompt, held_out_examples, load_jsonl, longest_prompt_chars,
@@ -360,46 +360,6 @@ def main(argv=None):
     final_eval = run_eval(args.steps)
     summary(out, first_eval, final_eval, history, sparse, time.time() - start_time)
     return model, final_eval
-
-
-RUN_KEYS = ("model", "gguf_file", "data", "eval_data", "task", "digits", "seed", "warmup_steps")   # what makes a run
-# What a resumed training run may change: how long and how often (steps, evaluations, checkpoints), where and how
-# it computes (the same steps, within rounding) and its learning rates (a restart at a new lr, said in one line).
-# Every other flag sets what a step computes (the cache, the sampling, rewards, correction, loss, groups, held-out
-# prompts): a new value would leave one metrics.jsonl and one summary that mix two runs, so it is refused. With
-# --steps 0 only RUN_KEYS count: evaluating a checkpoint under other caches is what evaluation is for.
-RESUMABLE = ("steps", "eval_every", "save_every", "lr", "lora_lr_scale", "micro_batch", "captured", "device", "threads",
-             "dtype", "cache_dir", "out")
-
-
-def resume_point(args, out):
-    """The checkpoint --resume continues from: the last in `out`. A ValueError, before any model loads, where there
-    is none, where it was made by another run (RUN_KEYS, or when training any flag outside RESUMABLE, differ in its
-    args.json), or where --steps ends before it. Each other difference is printed."""
-    ckpt = last_checkpoint(out)
-    if ckpt is None:
-        earlier = sorted(p.name for p in out.glob("previous-*"))
-        raise ValueError(f"--resume: no checkpoint step-NNNNNN in {str(out)!r}; run without --resume to start one"
-                         + (f" (earlier runs: {', '.join(earlier)})" if earlier else ""))
-    saved = checkpoint_args(ckpt)                                      # a damaged one: a ValueError
-    # a file is the same one at the same path, or (the clone moved, the path is gone) by the same name
-    same = lambda k, a, b: a == b or (k in ("data", "eval_data", "schedule") and a and b and not Path(a).exists()
-                                      and Path(a).name == Path(b).name)
-    keys = [k for k in saved if k != "resume" and k in vars(args) and not same(k, saved[k], getattr(args, k))]
-    said = lambda k: f"--{k.replace('_', '-')} {saved[k]!r} there, {getattr(args, k)!r} here"
-    if refused := [said(k) for k in keys if k in RUN_KEYS or (args.steps and k not in RESUMABLE)]:
-        free = f" (training on, a resume may change only {', '.join('--' + k.replace('_', '-') for k in RESUMABLE)})"
-        raise ValueError(f"--resume: {ckpt} was made by another run ({'; '.join(refused)}); pass its settings"
-                         f"{free if args.steps else ''}, or another --out")
-    quiet = ("eval_policies", "eval_budgets") + (() if args.steps else TRAINING_ONLY)
-    for k in keys:   # evaluate-only flags, and with --steps 0 (evaluate only) training's own, are no settings
-        if k not in quiet:
-            print(f"resuming with a setting of its own: {said(k)}")
-    step = int(ckpt.name[len("step-"):])
-    if 0 < args.steps < step:
-        raise ValueError(f"--steps {args.steps} ends before {ckpt.name}: nothing to train (--steps {step} reruns its "
-                         "final evaluation, more trains on)")
-    return ckpt
 
 
 def restore(state, ckpt, args, opt, lora, lora_opt, controller):

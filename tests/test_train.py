@@ -408,15 +408,15 @@ def test_resume_may_change_how_long_how_often_where_and_the_lr_and_evaluate_unde
     argv = ["--steps", "9", "--eval-every", "3", "--save-every", "3", "--lr", "3e-5", "--lora-lr-scale", "2",
             "--micro-batch", "1", "--captured", "--device", "cpu", "--threads", "1", "--dtype", "bfloat16"]
     args = train.parse_args(SMALL + ["--out", str(tmp_path), "--resume", *argv])
-    assert train.resume_point(args, tmp_path).name == "step-000002"
+    assert cli.resume_point(args, tmp_path).name == "step-000002"
     said = [l for l in capsys.readouterr().out.splitlines() if l.startswith("resuming with")]
     assert len(said) == 10 and "resuming with a setting of its own: --lr 1e-05 there, 3e-05 here" in said
     # evaluate only (--steps 0): another cache is the point; the run's own settings still hold
     args = train.parse_args(SMALL + ["--out", str(tmp_path), "--resume", "--steps", "0", "--policy", "h2o", "--budget", "8"])
-    assert train.resume_point(args, tmp_path).name == "step-000002"
+    assert cli.resume_point(args, tmp_path).name == "step-000002"
     args = train.parse_args(SMALL + ["--out", str(tmp_path), "--resume", "--steps", "0", "--seed", "1"])
     with pytest.raises(ValueError, match="--seed 0 there, 1 here\\); pass its settings, or another --out$"):
-        train.resume_point(args, tmp_path)
+        cli.resume_point(args, tmp_path)
 
 
 def test_an_out_that_is_a_file_is_one_clear_line(tmp_path):
