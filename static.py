@@ -61,6 +61,7 @@ from policies import RESERVED_PAGES, page_plan, top_pages
 # 64 slots more than it holds on average, one graph captured per 128 steps; a multiple of 16 keeps the attention
 # mask aligned as SDPA's memory-efficient kernel wants it (else it pads the mask at every layer).
 SPAN = 128
+WARM_UP = 8   # tokens of the untimed rollouts that run first (libraries' first calls, allocations)
 
 
 class StaticCache(KVCache):
@@ -260,12 +261,21 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def counted_steps(sparse, prompt):
+    """The lengths of `ops_per_step`'s two rollouts: 2 and 3 intervals, and an evicting cache's budget past the
+    prompt on top, so that the steps between them hold exactly one compression (the first comes at decode step
+    budget + interval - prompt, the next an interval later), whatever the budget."""
+    skip = max(0, sparse.budget - prompt) if sparse.policy not in ("full", "blocktopk") else 0
+    return skip + 2 * sparse.interval, skip + 3 * sparse.interval
+
+
 def ops_per_step(model, prompts, sparse, captured):
     """Ops a decode step dispatches in the steady state: the count of a rollout `interval` steps longer, less the
-    shorter one's, over `interval` (so one compression is spread over its interval, as in a long rollout)."""
+    shorter one's, over `interval` (so one compression is spread over its interval, as in a long rollout).
+    prompts: of one length (the command line's)."""
     from sampler import generate
     counts = []
-    for steps in (2 * sparse.interval, 3 * sparse.interval):
+    for steps in counted_steps(sparse, len(prompts[0])):
         with OpCounter() as counter:
             generate(model, prompts, sparse, max_new_tokens=steps, temperature=0, captured=captured)
         counts.append(counter.count)
@@ -334,7 +344,7 @@ def print_step_times(model, prompts, configs, args):
     seconds, compressing = {p: [] for p in policies}, {p: [] for p in policies}
     collector = {p: GCClock() for p in policies}
     for p in policies:                                                  # warm-up
-        step_times(model, prompts, configs[p], 8)
+        step_times(model, prompts, configs[p], WARM_UP)
     try:
         for _ in range(args.rounds):
             for p in policies:
@@ -361,17 +371,20 @@ def print_step_times(model, prompts, configs, args):
               f"{1e3 * collector[p].seconds / len(seconds[p]):4.2f} a step, {collector[p].full} full collections")
 
 
-def check_prefill_fits(shape, batch, prompt, dtype, device):
-    """A ValueError naming the sizes when the prefill's KV cache alone, which every policy holds whole before its
-    first compression (2 x layers x kv heads x head dim x batch x prompt), exceeds the device's memory: found
-    now, not as an allocator's traceback (or minutes of random ids) once a model is built."""
+def check_cache_fits(shape, batch, prompt, new, configs, dtype, device):
+    """A ValueError naming the sizes when the KV cache that a policy of `configs` preallocates at the prefill, for
+    rollouts of up to `new` tokens, exceeds the device's memory: `KVCache.capacity` slots (full and block top-k:
+    prompt + new; an evicting cache: budget + interval, the prompt whole at least), 2 x layers x kv heads x head
+    dim x batch x slots. Found now, not as an allocator's traceback (or minutes of swapping) once a model is built."""
     head_dim = shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
-    need = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * batch * prompt * dtype.itemsize
+    slots, policy = max((KVCache(sparse, 1, new).capacity(prompt), policy) for policy, sparse in configs.items())
+    need = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * batch * slots * dtype.itemsize
     has = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else
            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else float("inf"))
     if need > has:
-        raise ValueError(f"--batch {batch} x --prompt {prompt}: the prefill's KV cache alone is {need / 2**30:.0f} "
-                         f"GiB in {dtype}, and this {device.type} has {has / 2**30:.0f} GiB")
+        raise ValueError(f"--batch {batch} x --prompt {prompt} + {new} new tokens: the KV cache {policy} preallocates "
+                         f"({slots} slots a row) is {need / 2**30:.0f} GiB in {dtype}, and this {device.type} has "
+                         f"{has / 2**30:.0f} GiB")
 
 
 def main(argv=None):
@@ -415,12 +428,13 @@ def main(argv=None):
         configs = {policy: SparseConfig(policy, budget=args.budget, interval=args.interval)
                    for policy in args.policies.split(",")}                # a policy named twice runs once
         dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
-        check_prefill_fits(SHAPES[args.shape], args.batch, args.prompt, dtype, device)
+        counted = [counted_steps(sparse, args.prompt)[1] for sparse in configs.values()] if args.count_ops else []
+        new = max(args.new, args.profile, WARM_UP, *counted)           # the longest rollout this run decodes
+        check_cache_fits(SHAPES[args.shape], args.batch, args.prompt, new, configs, dtype, device)
     except (RuntimeError, ValueError) as error:
         p.error(str(error))
     torch.manual_seed(0)
-    longest = args.prompt + max(args.new, 3 * args.interval, args.profile)   # --count-ops: 3 intervals
-    config = LlamaConfig(max_position_embeddings=longest + 1, **SHAPES[args.shape])
+    config = LlamaConfig(max_position_embeddings=args.prompt + new + 1, **SHAPES[args.shape])
     with torch.device(device):   # initialised where it runs: a 2B model takes ~25 s to initialise on a CPU
         model = LlamaForCausalLM(config)
     model = model.to(dtype).eval()
@@ -441,7 +455,8 @@ def main(argv=None):
           f"budget {args.budget}, interval {args.interval}, {torch.get_num_threads()} threads; tokens/s, median of {args.rounds}")
     if args.hf:
         ids = ids.to(device)
-        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8, min_new_tokens=8)
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=WARM_UP,
+                       min_new_tokens=WARM_UP)
         seconds = []
         for _ in range(args.rounds):
             start = clock(device)
@@ -452,7 +467,7 @@ def main(argv=None):
     for policy, sparse in configs.items():
         speed = {False: [], True: []}
         for captured in (False, True):                                   # warm-up
-            generate(model, prompts, sparse, max_new_tokens=8, temperature=0, captured=captured)
+            generate(model, prompts, sparse, max_new_tokens=WARM_UP, temperature=0, captured=captured)
         for _ in range(args.rounds):
             for captured in (False, True):
                 out = generate(model, prompts, sparse, max_new_tokens=args.new, temperature=0, captured=captured)

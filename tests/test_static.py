@@ -279,14 +279,16 @@ def test_ops_per_step_is_what_each_steady_decode_step_dispatches(monkeypatch, ca
     assert ops_per_step(model, PROMPTS, sparse, captured) == steps[0]
 
 
+@pytest.mark.parametrize("budget", [8, 16])
 @pytest.mark.parametrize("captured", [False, True], ids=["eager", "static"])
-def test_ops_per_step_spreads_one_compression_over_its_interval(monkeypatch, captured):
-    """Prompts of 2, budget 8, interval 4: by hand, decode steps 10, 14, 18, 22 compress (2 + step - 8 >= 4, then
-    every 4), and the steps from 8 on repeat with period 4 (a compression, the window's two remembering steps, a
-    plain one). `ops_per_step` must be one such period's ops (one compression included) over 4, counted here step
-    by step in one 24-token rollout; a difference of the 4- and 8-token rollouts would see no compression at all."""
+def test_ops_per_step_spreads_one_compression_over_its_interval(monkeypatch, captured, budget):
+    """Prompts of 2, interval 4: by hand, decode steps budget + 2, + 6, + 10, + 14 compress (2 + step - budget >= 4,
+    then every 4), and the steps from budget on repeat with period 4 (a compression, the window's two remembering
+    steps, a plain one). `ops_per_step` must be one such period's ops (one compression included) over 4, counted
+    here step by step in one rollout; a difference of the 4- and 8-token rollouts would see no compression at all,
+    nor, at budget 16, would one of the 8- and 12-token rollouts (the first compression comes at step 18)."""
     model = tiny_model()
-    sparse = SparseConfig("snapkv", budget=8, interval=4, window=2, sink=1, kernel=3)
+    sparse = SparseConfig("snapkv", budget=budget, interval=4, window=2, sink=1, kernel=3)
     prompts = [[5, 9], [4, 17]]
     cls = StaticCache if captured else KVCache
     marks, compressing, start_step = [], [], cls.start_step
@@ -296,13 +298,15 @@ def test_ops_per_step_spreads_one_compression_over_its_interval(monkeypatch, cap
         start_step(cache, positions)
         compressing.append(cache.compressing)
     monkeypatch.setattr(cls, "start_step", marked)
+    first = budget + 2
     with OpCounter() as counter:
-        generate(model, prompts, sparse, max_new_tokens=24, temperature=0, captured=captured)
+        generate(model, prompts, sparse, max_new_tokens=first + 14, temperature=0, captured=captured)
     monkeypatch.undo()
     steps = [b - a for a, b in zip(marks, marks[1:])]                # steps[d]: decode step d (0: the prefill)
-    assert [d for d, c in enumerate(compressing) if c] == [10, 14, 18, 22]
-    period = sum(steps[12:16])
-    assert sum(steps[16:20]) == period and steps[14] > max(steps[12], steps[13], steps[15])   # 14 compresses
+    assert [d for d, c in enumerate(compressing) if c] == [first, first + 4, first + 8, first + 12]
+    period = sum(steps[first + 2:first + 6])
+    assert sum(steps[first + 6:first + 10]) == period
+    assert steps[first + 4] > max(steps[first + 2], steps[first + 3], steps[first + 5])   # first + 4 compresses
     assert ops_per_step(model, prompts, sparse, captured) == period / 4
 
 
@@ -477,6 +481,8 @@ def test_a_budget_or_interval_up_to_dense_passes_the_checks(monkeypatch):
     monkeypatch.setattr(transformers, "LlamaForCausalLM", lambda *a, **k: pytest.fail("a model was built"))
     with pytest.raises(pytest.fail.Exception, match="a model was built"):
         static.main(["--budget", str(2 ** 40), "--interval", str(2 ** 35), "--policies", "snapkv,blocktopk"])
+    with pytest.raises(pytest.fail.Exception, match="a model was built"):   # holds budget + interval, any --new
+        static.main(["--new", "2000000000", "--policies", "snapkv,h2o"])
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -486,8 +492,12 @@ def test_a_budget_or_interval_up_to_dense_passes_the_checks(monkeypatch):
     (["--policies", "blocktopk", "--budget", "4"], "budget=4 must be >= page_size = 16"),
     (["--device", "gpu"], "--device 'gpu': give auto, cpu, cuda or cuda:N"),         # was torch's list of backends
     (["--prompt", str(2 ** 63)], f"--prompt must be < 2**31, got {2 ** 63}"),       # was: an OverflowError traceback
-    (["--prompt", "2000000000", "--dtype", "float32"], "--batch 8 x --prompt 2000000000: the prefill's KV cache "
-     "alone is 122070 GiB in torch.float32, and this cpu has"),   # 2 x 8 x 2 x 64 x 8 x 2e9 x 4 B: was a traceback
+    (["--prompt", "2000000000", "--dtype", "float32"], "--batch 8 x --prompt 2000000000 + 512 new tokens: the KV "
+     "cache full preallocates (2000000512 slots a row) is 122070 GiB in torch.float32, and this cpu has"),
+    # 2 x 8 x 2 x 64 x 8 x 2e9 x 4 B: was a traceback. Full and block top-k preallocate prompt + new slots: a long
+    # --new was not checked (it was minutes of swapping once the model was built), an evicting cache's --new is free
+    (["--new", "2000000000", "--policies", "snapkv,blocktopk"], "--batch 8 x --prompt 256 + 2000000000 new tokens: "
+     "the KV cache blocktopk preallocates (2000000256 slots a row) is 122070 GiB in torch.float32"),
     (["--count-ops", "--step-times"], "runs of their own, each alone: got --count-ops --step-times"),   # one was
     (["--step-times", "--hf"], "runs of their own, each alone: got --step-times --hf"),         # silently dropped
     (["--count-ops", "--profile", "8"], "runs of their own, each alone: got --count-ops --profile"),
@@ -513,7 +523,15 @@ def test_the_command_line_times_each_policy_at_its_budget_and_interval(monkeypat
     assert seen == [SparseConfig("snapkv", 24, 4)] * 2 + [SparseConfig("full", 24, 4)] * 2
 
 
-def test_the_model_has_positions_for_a_profile_longer_than_the_timed_rollouts(monkeypatch):
+@pytest.mark.parametrize("argv, positions", [
+    (["--prompt", "256", "--new", "512", "--profile", "5000"], 256 + 5000),
+    # the warm-up rollouts (8 tokens) beside --new 2: was a traceback after the model was built
+    (["--prompt", "4", "--new", "2", "--interval", "1"], 4 + 8),
+    # --count-ops past the first compression: at budget 64, prompt 16, interval 8 a 48 + 24-token rollout
+    (["--prompt", "16", "--new", "8", "--budget", "64", "--interval", "8", "--policies", "snapkv", "--count-ops"],
+     16 + 48 + 24),
+], ids=["profile", "warm-up", "count-ops"])
+def test_the_model_has_positions_for_every_rollout_it_decodes(monkeypatch, argv, positions):
     # --profile 5000 beside --new 512 was a traceback at the very end, after every timed rollout: "max_new_tokens
     # 5000: ... must fit the model's 897 positions"
     import transformers
@@ -527,5 +545,5 @@ def test_the_model_has_positions_for_a_profile_longer_than_the_timed_rollouts(mo
         raise Built(kwargs["max_position_embeddings"])
     monkeypatch.setattr(transformers, "LlamaConfig", config)
     with pytest.raises(Built) as built:
-        static.main(["--prompt", "256", "--new", "512", "--profile", "5000"])
-    assert built.value.args[0] >= 256 + 5000
+        static.main(argv)
+    assert built.value.args[0] >= positions
