@@ -76,6 +76,7 @@ def build_model(s):
     if "model" in s:
         model, _ = load_pretrained(s["model"])
         s.update({ours: getattr(model.config, field) for ours, field in HF_FIELDS.items()})
+        s["head_dim"] = getattr(model.config, "head_dim", None) or s["hidden"] // s["heads"]   # Qwen3: not hidden / heads
     else:
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**{field: s[ours] for ours, field in HF_FIELDS.items()},
@@ -229,9 +230,14 @@ def scaling(long, s):
     return table
 
 
+def head_dim(s):
+    """The width of one attention head: a pretrained model's own (Qwen3-0.6B: 128, not its hidden / heads = 64)."""
+    return s.get("head_dim") or s["hidden"] // s["heads"]
+
+
 def kv_formula(s, tokens, bytes_per_value=4):
     """Section 2: 2 (K and V) * layers * kv_heads * head_dim * tokens * bytes * batch."""
-    return 2 * s["layers"] * s["kv_heads"] * (s["hidden"] // s["heads"]) * tokens * bytes_per_value * s["batch"]
+    return 2 * s["layers"] * s["kv_heads"] * head_dim(s) * tokens * bytes_per_value * s["batch"]
 
 
 def overheads(model, ids, results, s, repeats=50):
@@ -277,7 +283,7 @@ def limit(s, dense, repeats=5):
     multiply-add of the matrix products only (every linear layer's weights, the output layer included, and q.k and
     p.v over the context); norms, rotary, softmax and sampling are not counted. Bytes: every pass (the prefill,
     then each decode step) reads all linear weights once and the whole KV cache once, in fp32."""
-    n, B, config = s["mm"], s["batch"], {field: s[ours] for ours, field in HF_FIELDS.items()}
+    n, B, config = s["mm"], s["batch"], {field: s[ours] for ours, field in HF_FIELDS.items()} | dict(head_dim=head_dim(s))
     a, b = torch.randn(n, n), torch.randn(n, n)
     fed = s["prompt"] + s["new"] - 1                       # every token but the last passes the model once
     flops = sum(cost(config, c, batch=B)["flops"] for c in range(1, fed + 1))   # token by token: causal attention

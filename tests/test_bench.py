@@ -275,6 +275,25 @@ def test_the_limit_counts_flops_and_bytes_by_hand(monkeypatch):
     assert lim["decode_bytes_per_s"] == (2 * 160 * 4 + (3 + 4) * 32) / 2.0
 
 
+def test_a_pretrained_models_own_head_dim_sizes_the_kv_formula_and_the_limit(monkeypatch):
+    # Qwen3 sets head_dim apart from hidden / heads (0.6B: 128, not 1024 / 16 = 64); here 32, not 64 / 4 = 16. The
+    # KV formula must equal the bytes the cache holds, and the limit's weights the model's matmul parameters (every
+    # 2-D weight but the embedding, which a step reads a row of): with hidden / heads both were half of the truth
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         intermediate_size=128, num_hidden_layers=2, vocab_size=128)).eval()
+    monkeypatch.setattr(bench, "load_pretrained", lambda name: (qwen3, None))
+    s = dict(bench.PRETRAINED, model="qwen3-like", batch=2, prompt=8, new=1, mm=8)
+    model = bench.build_model(s)
+    _, tokens, kv_bytes, _ = bench.greedy(model, bench.random_ids(s, 2, 8), "full", 4, 16, 4)
+    assert bench.kv_formula(s, tokens) == kv_bytes == 2 * 2 * 2 * 32 * (8 + 3) * 4 * 2
+    weights = sum(w.numel() for name, w in qwen3.named_parameters() if w.dim() == 2 and "embed_tokens" not in name)
+    lim = bench.limit(s, dict(seconds=1.0), repeats=1)
+    # one pass (the prefill at context 8): the weights and 8 tokens of K and V a layer, in fp32
+    assert lim["decode_bytes_per_s"] == 4 * (weights + 2 * 2 * 2 * 32 * 8 * 2)
+
+
 # ----------------------------------------------------------------------------- the clocks, on counted ticks
 
 def test_run_counts_every_choosing_call_and_stamps_every_pass(monkeypatch):
