@@ -112,7 +112,8 @@ def copy_bandwidth(values, device="cpu", repeats=5):
 def others_jiffies():
     """Busy jiffies of the whole machine less this process's own, or None where /proc is missing (not Linux)."""
     try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]   # the "cpu" line
+        # the "cpu" line, up to steal: guest and guest_nice (fields 9 and 10) are counted in user and nice already
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
         own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()   # after the command name
         return sum(fields) - fields[3] - fields[4] - int(own[11]) - int(own[12])   # less idle, iowait and ours
     except (OSError, IndexError, ValueError):
