@@ -424,6 +424,8 @@ def main(argv=None):
         check_values(args, unchecked=("budget", "interval"))          # SparseConfig's: up to DENSE, never evicts
         check_least(args, 1, ["batch", "prompt", "new", "budget", "interval", "rounds"])
         check_least(args, 0, ["profile"], notes=dict(profile="0: no profile"))
+        if args.step_times and args.new < 2:                          # the prefill samples the first token
+            raise ValueError(f"--step-times times decode steps, and --new {args.new} has none: give --new 2 or more")
         device = pick_device(args.device)
         configs = {policy: SparseConfig(policy, budget=args.budget, interval=args.interval)
                    for policy in args.policies.split(",")}                # a policy named twice runs once

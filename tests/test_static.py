@@ -501,6 +501,8 @@ def test_a_budget_or_interval_up_to_dense_passes_the_checks(monkeypatch):
     (["--count-ops", "--step-times"], "runs of their own, each alone: got --count-ops --step-times"),   # one was
     (["--step-times", "--hf"], "runs of their own, each alone: got --step-times --hf"),         # silently dropped
     (["--count-ops", "--profile", "8"], "runs of their own, each alone: got --count-ops --profile"),
+    # one token is the prefill's: no decode step, and split_mean's ZeroDivisionError once the model was built
+    (["--step-times", "--new", "1"], "--step-times times decode steps, and --new 1 has none: give --new 2 or more"),
 ])
 def test_the_command_line_refuses_bad_flags_before_building_a_model(monkeypatch, capsys, argv, message):
     import transformers
