@@ -61,7 +61,6 @@ from policies import RESERVED_PAGES, page_plan, top_pages
 # 64 slots more than it holds on average, one graph captured per 128 steps; a multiple of 16 keeps the attention
 # mask aligned as SDPA's memory-efficient kernel wants it (else it pads the mask at every layer).
 SPAN = 128
-WARM_UP = 8   # tokens of the untimed rollouts that run first (libraries' first calls, allocations)
 
 
 class StaticCache(KVCache):
@@ -218,6 +217,8 @@ def capture(step, cache):
 
 
 # ----------------------------------------------------------------------------- eager vs static, side by side
+
+WARM_UP = 8   # tokens of the untimed rollouts that run first (libraries' first calls, allocations)
 
 SHAPES = {  # layers, hidden, heads, kv heads, ffn, vocab
     "bench": dict(num_hidden_layers=8, hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
