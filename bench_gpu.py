@@ -165,9 +165,10 @@ def kv_read_bytes(s, sampler, context, batch, budget=None):
 
 def rollout_kv_tokens(s, sampler, new, budget=None):
     """Tokens per layer and KV head the cache holds at its peak in a whole prompt + `new` rollout."""
-    if sampler in EVICTION:                                # the prefill is kept whole, then budget + interval
-        return max(s["prompt"] + 1, (budget or s["budget"]) + s["interval"])
-    return s["prompt"] + new - 1                           # the last token is sampled, never fed
+    dense = s["prompt"] + new - 1                          # the last token is sampled, never fed
+    if sampler in EVICTION:         # the prefill is kept whole, then budget + interval, if the rollout gets there
+        return min(dense, max(s["prompt"] + 1, (budget or s["budget"]) + s["interval"]))
+    return dense
 
 
 # ----------------------------------------------------------------------------- the report, row by row

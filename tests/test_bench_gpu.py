@@ -277,6 +277,15 @@ def test_rollout_kv_tokens_is_the_peak_the_sampler_holds(prompt):
         assert bench_gpu.rollout_kv_tokens(s, name, 30, budget=16) == peak == expected
 
 
+def test_rollout_kv_tokens_of_a_rollout_too_short_to_compress_is_the_dense_count():
+    # prompt 10 + 5 new holds 14 tokens at its last decode step, short of budget 16 + interval 8: an evicting cache
+    # never reaches budget + interval (the formula said 24)
+    s = dict(bench_gpu.TINY, prompt=10, interval=8)
+    model, ids = bench_gpu.qwen3_model(s, torch.device("cpu")), bench.random_ids(s, 2, 10)
+    for name in ("snapkv", "full"):
+        assert bench_gpu.rollout_kv_tokens(s, name, 5, budget=16) == bench.greedy(model, ids, name, 5, 16, 8)[1] == 14
+
+
 @pytest.mark.parametrize("policy", ["full", "snapkv"])
 def test_a_fit_test_runs_the_prefill_and_fit_steps_decode_passes(policy):
     # Pins fits' stop: the prefill and fit_steps (2) decode steps allocate, then Enough ends the rollout before
