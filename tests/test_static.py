@@ -84,6 +84,29 @@ def test_static_path_equals_the_eager_path(monkeypatch, sparse, temperature, top
     assert len(set(spans)) > 1                                 # the test crossed from one span to the next
 
 
+@pytest.mark.parametrize("interval, lengths, peak", [(4, (11, 12, 14, 3), 15), (1, (6, 3), 9)],
+                         ids=["boundaries", "interval-1"])
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "rkv", "random"])
+def test_static_path_equals_the_eager_path_at_the_budgets_boundaries(monkeypatch, policy, interval, lengths, peak):
+    # budget 8, interval 4: prompts of budget + interval - 1 (due at its first decode step), budget + interval and
+    # budget + interval + 2 (kept whole past budget + interval: the buffer is prompt + 1 slots), and 3 (far below);
+    # interval 1: static steps until the first row passes the budget, then every step compresses (eager)
+    model = tiny_model("llama")
+    prompts = [list(range(i + 1, i + 1 + n)) for i, n in enumerate(lengths)]
+    sparse = SparseConfig(policy, budget=8, interval=interval, window=3, sink=2, kernel=3)
+    run = lambda captured: generate(model, prompts, sparse, max_new_tokens=16, temperature=0, record=True,
+                                    captured=captured)
+    eager = run(False)
+    monkeypatch.setattr("static.SPAN", 4)
+    kinds = step_kinds(monkeypatch)
+    static = run(True)
+    assert torch.equal(static.tokens, eager.tokens)
+    assert (static.logprobs - eager.logprobs).abs().max() < 1e-5
+    assert kept_sets(static) == kept_sets(eager)
+    assert kinds.count("static") >= 2 and kinds.count("eager") >= 4
+    assert static.stats["peak_kv_tokens"] == eager.stats["peak_kv_tokens"] == peak
+
+
 def test_h2o_static_steps_accumulate_what_eager_steps_accumulate(monkeypatch):
     # H2O's score, the attention each held key has received (the mean over its KV head's group of query heads),
     # is added to at every step: after 30 steps, static ones between compressions, the static cache holds the
