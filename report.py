@@ -15,9 +15,9 @@ over each response (`correction.dense_logprobs`), the pi_old of a training step.
 `runs`: what training did. Each RUN_DIR is a `python train.py --out RUN_DIR` folder named <variant>-s<seed>: one
 row per variant, in the order given, its seeds averaged. PREFIX.md holds three tables (`report_text`) and, with
 matplotlib, three plots (`plot`). --robust-budgets B ...: each run's final model answers its own held-out prompts
-greedily through the run's cache at budget B (SnapKV for a dense run; with --distill, its adapter): Sparse-RL's
-claim that a model trained on sparse rollouts holds up better under sparse inference. gpu_smollm2.sh reads its
-SmolLM2 runs the same way.
+greedily through the run's cache at budget B (SnapKV for a dense run; theta alone, without a --distill run's
+adapter): Sparse-RL's claim that a model trained on sparse rollouts holds up better under sparse inference.
+gpu_smollm2.sh reads its SmolLM2 runs the same way.
 
 `keeps`: which positions of one toy rollout each policy keeps, step by step (a PNG, --out; the table on stdout).
 """
@@ -361,15 +361,14 @@ def robust_plan(folder, final_step, budgets):
 
 def robust_accuracy(ckpt, args, configs, device):
     """Greedy accuracy of a final model on its run's own held-out prompts (rebuilt as train.py does), per cache.
-    As train.py evaluates: fp32 weights, --dtype bfloat16 under autocast (bf16 weights answer otherwise), and a
-    DistillSparse run's sparse caches sample with its adapter, theta + phi (its own sparse column's sampler)."""
+    As train.py evaluates: fp32 weights, --dtype bfloat16 under autocast (bf16 weights answer otherwise). The model
+    is theta alone, a DistillSparse run's too: its adapter is its sparse column's sampler, and README's distill
+    table reads *sparse @ B* as the same policy without it."""
     model, tokenizer = load_pretrained(str(ckpt), device=device)
-    path = ckpt / "adapter.safetensors"
-    adapter = distill.LoRA.from_file(model, path) if path.is_file() else None
     _, held_out = train.load_data(args)
     with autocast(args.dtype, model.device):
-        return [accuracy(eval_rewards(model, tokenizer, held_out, run_reward(args), sparse, args.max_new_tokens,
-                                      adapter)) for sparse in configs]
+        return [accuracy(eval_rewards(model, tokenizer, held_out, run_reward(args), sparse, args.max_new_tokens))
+                for sparse in configs]
 
 
 def runs(args):
