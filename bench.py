@@ -76,7 +76,7 @@ def build_model(s):
     if "model" in s:
         model, _ = load_pretrained(s["model"])
         s.update({ours: getattr(model.config, field) for ours, field in HF_FIELDS.items()})
-        s["head_dim"] = getattr(model.config, "head_dim", None) or s["hidden"] // s["heads"]   # Qwen3: not hidden / heads
+        s["head_dim"] = getattr(model.config, "head_dim", None)       # Qwen3's is not hidden / heads (`head_dim`)
     else:
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**{field: s[ours] for ours, field in HF_FIELDS.items()},
