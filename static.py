@@ -54,7 +54,7 @@ from unittest.mock import patch
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvcache import POLICIES, KVCache, SparseConfig, attention
+from kvcache import DENSE, POLICIES, KVCache, SparseConfig, attention
 from policies import RESERVED_PAGES, page_plan, top_pages
 
 # A step reads the held slots rounded up to a multiple of SPAN (or the whole buffer, if shorter): at 512 + 1536,
@@ -265,8 +265,9 @@ class OpCounter(TorchDispatchMode):
 def counted_steps(sparse, prompt):
     """The lengths of `ops_per_step`'s two rollouts: 2 and 3 intervals, and an evicting cache's budget past the
     prompt on top, so that the steps between them hold exactly one compression (the first comes at decode step
-    budget + interval - prompt, the next an interval later), whatever the budget."""
-    skip = max(0, sparse.budget - prompt) if sparse.policy not in ("full", "blocktopk") else 0
+    budget + interval - prompt, the next an interval later), whatever the budget short of DENSE (never compresses)."""
+    evicts = sparse.policy not in ("full", "blocktopk") and sparse.budget < DENSE
+    skip = max(0, sparse.budget - prompt) if evicts else 0
     return skip + 2 * sparse.interval, skip + 3 * sparse.interval
 
 

@@ -506,6 +506,8 @@ def test_a_budget_or_interval_up_to_dense_passes_the_checks(monkeypatch):
         static.main(["--budget", str(2 ** 40), "--interval", str(2 ** 35), "--policies", "snapkv,blocktopk"])
     with pytest.raises(pytest.fail.Exception, match="a model was built"):   # holds budget + interval, any --new
         static.main(["--new", "2000000000", "--policies", "snapkv,h2o"])
+    with pytest.raises(pytest.fail.Exception, match="a model was built"):   # DENSE never compresses: none to wait for
+        static.main(["--count-ops", "--budget", str(2 ** 40), "--policies", "snapkv"])
 
 
 @pytest.mark.parametrize("argv, message", [
