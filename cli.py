@@ -298,8 +298,8 @@ def check_args(args):
 def check_fits(args, model, longest):
     """What the loaded model and the longest prompt decide about the flags: a ValueError where a cache asked for
     would silently be a full one (--dense-layers past the model's layers, a budget or an --interval no rollout
-    reaches), or
-    where the adapter's rank is wider than every layer (a traceback in torch's allocator at a huge one)."""
+    reaches, a block top-k budget whose pages are every page: `check_evicts`), or where the adapter's rank is wider
+    than every layer (a traceback in torch's allocator at a huge one)."""
     policies = (args.eval_policies or [args.policy]) if args.steps == 0 else [args.policy]
     if "blocktopk" in policies:
         check_dense_layers(args.dense_layers, model.config.num_hidden_layers)
@@ -307,12 +307,13 @@ def check_fits(args, model, longest):
         distill.check_rank(model, args.lora_rank)
     if args.schedule or args.controller is not None:                  # their budgets change along the context
         return
-    evicting = [p for p in policies if p not in ("full", "blocktopk")]
+    evicting = [p for p in policies if p not in ("full", "blocktopk")]   # one rule for all: the first is named
+    checked = evicting[:1] + ["blocktopk"] * ("blocktopk" in policies)   # block top-k: by its pages
     flag = "--eval-budgets" if args.steps == 0 and args.eval_budgets else "--budget"
     for budget in (args.eval_budgets or [args.budget]) if args.steps == 0 else [args.budget]:
-        if evicting:
-            check_evicts(flag, budget, evicting[0], args.interval, longest, args.max_new_tokens,
-                         note=", or --policy full for a dense run")
+        for policy in checked:
+            check_evicts(flag, budget, policy, args.interval, longest, args.max_new_tokens,
+                         args.page_size if policy == "blocktopk" else None, note=", or --policy full for a dense run")
 
 
 def check_evicts(flag, budget, policy, interval, longest, max_new_tokens, page_size=None, note=""):

@@ -862,6 +862,22 @@ def test_an_interval_no_rollout_reaches_is_refused_not_a_dense_run(tmp_path):
     assert cli.check_fits(train.parse_args(FITS + ["--budget", "100", "--policy", "full"]), model, 11) is None
 
 
+def test_a_block_top_k_budget_that_attends_every_page_is_refused_not_a_dense_run():
+    # 20 tokens at the last decode step are 10 pages of 2; block top-k attends budget // 2 + 3 reserved pages, so
+    # budget 14 attends all 10 (a dense run under a budget's name, as schedule.py --calibrate already refuses) and
+    # 13 skips one. Was: check_fits checked the eviction policies only
+    model = models.toy_model(char_tokenizer())
+    blocktopk = FITS + ["--policy", "blocktopk", "--page-size", "2", "--dense-layers", "1"]
+    for argv, flag in ((["--budget", "14"], "--budget"),
+                       (["--steps", "0", "--eval-budgets", "13", "14"], "--eval-budgets")):
+        with pytest.raises(ValueError, match=rf"^{flag} 14: the longest rollout holds at most 20 tokens \(prompt 11 "
+                                             r"\+ --max-new-tokens 10 - 1\), 10 pages of 2, and blocktopk attends 10 .*: "
+                                             r"every page, so it would never skip one: give a budget below 14, or "
+                                             r"--policy full for a dense run$"):
+            cli.check_fits(train.parse_args(blocktopk + argv), model, 11)
+    assert cli.check_fits(train.parse_args(blocktopk + ["--budget", "13"]), model, 11) is None
+
+
 def test_a_lora_rank_wider_than_the_model_is_one_line_not_an_allocator_traceback(tmp_path):
     # --distill kl --lora-rank 1000000000: torch tried to allocate 512 GB, a RuntimeError traceback
     with pytest.raises(SystemExit) as exit_info:
