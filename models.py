@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -178,7 +179,10 @@ def pretrained_folder(model, gguf_file=None, cache_dir=CACHE_DIR):
         del loaded.config.quantization_config
         fresh = AutoModelForCausalLM.from_config(loaded.config)
         fresh.load_state_dict(loaded.state_dict())
-        save_atomically(cached, lambda tmp: (fresh.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+        try:   # a full or read-only --cache-dir: one line, as every other bad source
+            save_atomically(cached, lambda tmp: (fresh.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+        except OSError as error:
+            raise ValueError(f"cannot save the de-quantised copy of {folder / name} in {cached}: {error}") from None
     return str(cached)
 
 
@@ -189,7 +193,7 @@ def load_pretrained(model, gguf_file=None, cache_dir=CACHE_DIR, device="cpu", dt
         tokenizer = AutoTokenizer.from_pretrained(path)                # weights file (safetensors' own error type)
         part = "weights"
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except Exception as error:
+    except (OSError, ValueError, SafetensorError) as error:
         tried = "" if Path(model).exists() else f"no folder {model!r} here, and as a hub id: "
         raise ValueError(f"cannot load the {part} of model {model!r}: {tried}"
                          f"{str(error).splitlines()[0].rstrip(': ')}") from None

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import models
 import tasks
@@ -248,6 +248,25 @@ def test_the_gguf_de_quantising_line_goes_to_stderr(tmp_path, monkeypatch, capsy
         models.pretrained_folder(str(tmp_path / "m.gguf"), cache_dir=tmp_path / "cache")
     out, err = capsys.readouterr()
     assert out == "" and "de-quantising" in err and "m.gguf once into" in err
+
+
+def test_a_gguf_copy_that_cannot_be_saved_is_one_line_naming_the_cache(tmp_path, monkeypatch):
+    # a full or read-only --cache-dir: the de-quantised copy's OSError is one ValueError line, as each command prints
+    # (schedule.py and report.py let an OSError out as a traceback); the GGUF reading itself is stubbed
+    (tmp_path / "m.gguf").write_bytes(b"")
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: True)   # gguf, accelerate: as if installed
+    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2))
+    tiny.config.quantization_config = {}
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(models, "save_atomically", full)
+    with pytest.raises(ValueError, match=r"^cannot save the de-quantised copy of \S*m\.gguf in \S*cache/m-\w+: "
+                                         r"\[Errno 28\] No space left on device$"):
+        models.load_pretrained(str(tmp_path / "m.gguf"), cache_dir=tmp_path / "cache")
 
 
 def test_a_kill_while_the_old_folder_is_removed_leaves_the_new_one_whole(tmp_path, monkeypatch):
