@@ -32,10 +32,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import correction as C
 import kvcache
-from cli import check_least, check_out_file, check_values
+from cli import check_least, check_out_file, check_values, markdown
 from kvcache import SparseConfig
 from models import load_pretrained
-from report import markdown, pyplot
+from report import pyplot
 from sampler import clock, generate
 from schedule import cost
 

@@ -34,10 +34,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import bench
 from bench import (EVICTION, HF, HF_FIELDS, LONG_POLICY, agreement, copy_bandwidth, greedy, kv_formula, log,
                    pct, random_ids, ratio, timed)
+from cli import markdown
 from correction import ALPHA_TOPK, dense_logprobs
 from kvcache import KVCache, SparseConfig
 from policies import RESERVED_PAGES
-from report import markdown
 from sampler import Rollouts, clock, generate
 
 # ----------------------------------------------------------------------------- settings

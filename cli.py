@@ -198,6 +198,12 @@ def parse_args(argv=None, description=TRAIN_HELP, hide=()):
     return args
 
 
+def markdown(header, rows):
+    """A markdown table from a header list and rows of cells (any values; str() of each)."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
+                     ["| " + " | ".join(map(str, row)) + " |" for row in rows])
+
+
 def check_values(args, unchecked=("seed",)):
     """What every script's flags need, whatever they mean: a ValueError naming the first bad one. nan passes every
     `< 0` check; an integer of 2**31 or more overflows in torch, a traceback after the model loads (`unchecked`:

@@ -112,7 +112,7 @@ def inference(args):
             f"{args.interval}, window {args.window}, sink {args.sink}; peak KV summed over batches of "
             f"{args.batch_size} (the prompt is kept whole at prefill, so its length sets a floor); alpha over the "
             f"sampler's top-{ALPHA_TOPK} tokens, a lower bound whose ceiling (the top-{ALPHA_TOPK} mass) the dense "
-            "row shows\n\n" + markdown(header, rows))
+            "row shows\n\n" + cli.markdown(header, rows))
 
 
 # ----------------------------------------------------------------------------- runs: comparing training runs
@@ -246,12 +246,6 @@ def reach_rows(groups):
     return best, baseline[0][1], [(v, step, t, base_time / t if t else None) for v, (step, t) in reached.items()]
 
 
-def markdown(header, rows):
-    """A markdown table from a header list and rows of cells (any values; str() of each)."""
-    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
-                     ["| " + " | ".join(map(str, row)) + " |" for row in rows])
-
-
 def report_text(groups, budgets=(), robust=None):
     """The comparison, the tail per length bin and the PODS table, each with its meaning in one line above it."""
     base = next(iter(groups))                                         # the first variant, the baseline
@@ -264,7 +258,7 @@ def report_text(groups, budgets=(), robust=None):
             + (", or its cache at budget B (sparse @ B)" if budgets else "") + "; mean over seeds of: the rollouts' "
             "peak KV against a full cache, the share of response tokens the rejection dropped, the responses it "
             "vetoed, and the seconds spent sampling, re-scoring and updating (in all, then per step and by part).", "",
-            markdown(header, comparison_rows(groups, robust))]
+            cli.markdown(header, comparison_rows(groups, robust))]
     for variant, runs in groups.items():   # an unfinished seed moves its variant's means: said, not hidden
         if len(ends := last_steps(runs)) > 1:
             text += ["", f"Note: the seeds of {variant} end at different steps ({', '.join(map(str, ends))}; a run cut "
@@ -273,14 +267,14 @@ def report_text(groups, budgets=(), robust=None):
     bins = sorted({b for t in tails.values() for b in t})
     text += ["", "Acceptance tail by context length: the 5th percentile of alpha = 1 - TV(p_dense, p_sparse) "
              f"over each bin's response tokens, mean over steps and seeds (Sparrow: stable while >= {THRESHOLD}).", "",
-             markdown(["variant"] + [f"{a}-{b}" for a, b in bins],
+             cli.markdown(["variant"] + [f"{a}-{b}" for a, b in bins],
                       [[v] + [f"{t[b]:.3f}" if b in t else "-" for b in bins] for v, t in tails.items()])]
     if reach := reach_rows(groups):
         best, start, rows = reach
         text += ["", "Time to the baseline's best (PODS's measure): the first evaluation after step 0 at which a "
                  f"variant's dense accuracy (mean over seeds) reaches {base}'s best, {best:.3f} (step 0: {start:.3f}), "
                  "with the training seconds it took (mean over seeds).", "",
-                 markdown(["variant", "first step", "train time (s)", f"speed-up vs {base}"],
+                 cli.markdown(["variant", "first step", "train time (s)", f"speed-up vs {base}"],
                           [[v, "never", "-", "-"] if step is None else [v, step, f"{t:.0f}", f"{x:.2f}x" if x else "-"]
                            for v, step, t, x in rows])]
     return "\n".join(text)
@@ -433,7 +427,7 @@ def keeps(args):
     draw_keeps(panels, role, example, budget, args.out)
     title = f"Prompt {example['prompt']!r}, answer {example['answer']!r}; {settings['task']} warm-up, budget {budget}"
     header = ["policy", "its answer", "needed tokens held at the last step", "distractors held"]
-    return f"{title}\n\n{markdown(header, rows)}"
+    return f"{title}\n\n{cli.markdown(header, rows)}"
 
 
 def draw_keeps(panels, role, example, budget, path):

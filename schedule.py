@@ -26,7 +26,7 @@ import torch
 
 import distill
 import tasks
-from cli import check_dense_layers, check_evicts, check_least, check_out_file, check_values
+from cli import check_dense_layers, check_evicts, check_least, check_out_file, check_values, markdown
 from correction import acceptance, dense_logprobs  # alpha = sum_v min(p_a, p_b) (section 4)
 from kvcache import DENSE, POLICIES, SparseConfig
 from models import DTYPES, autocast, load_pretrained, pick_device, toy_settings, write_text_atomically
@@ -488,11 +488,11 @@ def print_calibration(args, p):
                                    pad_token_id=tok.pad_token_id or 0, adapter=adapter)
     cell = lambda t: "-" if math.isnan(t) else f"{t:.2f}"              # nan: the bin had no token
     span = lambda r: f"{r['bins'][0]}-{r['bins'][1] - 1}"
-    print_table(f"Tail alpha (p05) per context bin at each constant candidate budget ({args.policy}), then the "
-                f"chosen budget (the smallest holding {threshold}, non-decreasing) and the tail re-measured "
-                "under the whole schedule", ["context", *(f"at {c}" for c in candidates), "chosen", "tail", "tokens"],
-                [[span(r), *map(cell, r["profile"]), r["budget"] or "dense", cell(r["tail"]), r["tokens"]]
-                 for r in rows])
+    header = ["context", *(f"at {c}" for c in candidates), "chosen", "tail", "tokens"]
+    print(f"Tail alpha (p05) per context bin at each constant candidate budget ({args.policy}), then the chosen "
+          f"budget (the smallest holding {threshold}, non-decreasing) and the tail re-measured under the whole "
+          "schedule\n\n" + markdown(header, [[span(r), *map(cell, r["profile"]), r["budget"] or "dense",
+                                               cell(r["tail"]), r["tokens"]] for r in rows]))
     below = [f"{span(r)} ({r['tail']:.2f})" for r in rows if r["tail"] < threshold]
     if below:   # calibrate stopped: no bin up to these evicts (or skips pages), so no budget can lift them
         print(f"below {threshold} with no bin to raise (none drops tokens: the mismatch is not the budget's): "
@@ -522,16 +522,9 @@ def print_speedup(args, schedule):
     rows = [[label, *(f"{speedup(c, x, args.context, batch=args.batch, **pages):.2f}x" for c in QWEN3.values())]
             for label, x in schedules]
     rows.append(["Sparrow reported (block top-k, threshold 0.86)", *(f"{SPARROW_SPEEDUP[n]}x" for n in QWEN3)])
-    print_table(f"Predicted rollout speedup over dense ({args.policy}, {args.context} tokens decoded at batch "
-                f"{args.batch}; cost model of docs/method.md section 6 with H100 bf16 balance)", ["schedule", *QWEN3],
-                rows)
-
-
-def print_table(title, header, rows):
-    """The title, a blank line, then a markdown table: the `header` cells, a rule, and each row's cells."""
-    print(f"{title}\n\n| " + " | ".join(header) + " |\n" + "|---" * len(header) + "|")
-    for cells in rows:
-        print("| " + " | ".join(map(str, cells)) + " |")
+    print(f"Predicted rollout speedup over dense ({args.policy}, {args.context} tokens decoded at batch "
+          f"{args.batch}; cost model of docs/method.md section 6 with H100 bf16 balance)\n\n"
+          + markdown(["schedule", *QWEN3], rows))
 
 
 def main(argv=None):
