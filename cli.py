@@ -2,7 +2,8 @@
 
 One block of settings (nanoGPT keeps one), then `parse_args` (flags grouped by concept, `--help` shows the
 value each will take) and `check_args` (every bad value one clear error line, before any model loads). Its
-checks of any flag's value (`check_values`, `check_least`, `check_out_file`) serve every script's command line.
+checks of any flag's value (`check_values`, `check_least`, `check_out_file`) serve every script's command line,
+as does `markdown`, the tables they print.
 Last, `resume_point`: what `--resume` may change of the run its checkpoint was made by (`RESUMABLE`).
 The toy tasks' own settings live in tasks.py (`TOY_TASKS`), below both this file and schedule.py.
 
