@@ -164,11 +164,10 @@ def kv_read_bytes(s, sampler, context, batch, budget=None):
 
 
 def rollout_kv_tokens(s, sampler, new, budget=None):
-    """Tokens per layer and KV head the cache holds at its peak in a whole prompt + `new` rollout."""
-    dense = s["prompt"] + new - 1                          # the last token is sampled, never fed
-    if sampler in EVICTION:         # the prefill is kept whole, then budget + interval, if the rollout gets there
-        return min(dense, max(s["prompt"] + 1, (budget or s["budget"]) + s["interval"]))
-    return dense
+    """Tokens per layer and KV head the cache holds at its peak in a whole prompt + `new` rollout: the slots
+    `KVCache.capacity` gives it (the last token is sampled, never fed)."""
+    sparse = SparseConfig("full" if sampler == HF else sampler, budget or s["budget"], s["interval"])
+    return KVCache(sparse, 1, new - 1).capacity(s["prompt"])
 
 
 # ----------------------------------------------------------------------------- the report, row by row
