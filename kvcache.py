@@ -59,7 +59,7 @@ class SparseConfig:
 
     policy: str = "full"  # one of POLICIES; "full" never evicts (dense rollouts)
     budget: int = 512     # tokens kept per layer and KV head right after a compression
-    interval: int = 128   # decode steps between compressions once over budget (1: never above budget)
+    interval: int = 128   # decode steps between compressions once over budget (1: no step attends > budget)
     window: int = 8       # most recent tokens, always kept; also the SnapKV / R-KV observation window
     sink: int = 4         # first tokens always kept by StreamingLLM ("attention sinks")
     lam: float = 0.1      # R-KV: score = lam * importance - (1 - lam) * redundancy (0.07 in the R-KV repo)
