@@ -90,8 +90,8 @@ class SparseConfig:
 
     @property
     def min_budget(self):
-        """The smallest budget that still leaves the policy a choice: the always-kept window and sinks
-        (for blocktopk, one page: the first and the 2 newest pages come on top of the budget's pages)."""
+        """The smallest budget that still leaves the policy a choice: window + sink (only StreamingLLM always keeps
+        the sinks, but every eviction policy is held to it); blocktopk: one page (first and 2 newest come on top)."""
         return self.page_size if self.policy == "blocktopk" else self.window + self.sink
 
     @property
