@@ -8,7 +8,7 @@ its own top `budget` tokens. Everything else in the repo sees only `KVCache` and
 What is notable here:
 - Cached keys keep the rotary position they were computed at; the attention mask is built
   from the absolute positions of the kept slots, so one rule (`key_pos <= query_pos`) serves
-  the prefill and left padding alike, and a decode step, whose keys all came before its query,
+  the prefill and left padding alike, and a decode step, whose keys all came before its query or with it,
   needs only the valid slots (`key_pos >= 0`), or no mask when it holds no hole.
 - Every decision is per row: when it compresses, its budget, which of its tokens stay. A row's
   rollout never depends on the other prompts of its batch (tested).
