@@ -120,7 +120,7 @@ def rkv(rows, sparse):
 
 
 def hash32(x):
-    """A 32-bit integer hash of each element of a long tensor (the multiply-xorshift "lowbias32")."""
+    """A 32-bit integer hash of each element of a long tensor (multiply-xorshift by 0x45d9f3b; not "lowbias32")."""
     x = x & 0xFFFFFFFF
     for _ in range(2):
         x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
