@@ -3,7 +3,7 @@ sections 2 and 3). Pure functions of tensors; `kvcache.py` holds the cache that 
 
 - One signature for every eviction policy: `score(rows, sparse) -> [b, H_kv, S]`, larger = keep, over
   the b rows of a layer that compress at this step. StreamingLLM, H2O, SnapKV, R-KV and random are
-  five small functions; adding a policy is adding one function to SCORERS.
+  five small functions; a new policy is one function in SCORERS and its name in `kvcache.POLICIES`.
 - SnapKV and R-KV score as their authors' code does (one prompt, no padding): window attention to the
   keys before the observation window, pooled along those keys only. A padded or evicted slot is no
   token's neighbour (`pool`), so a row's choice never depends on the other prompts of its batch.
