@@ -55,7 +55,7 @@ def pool(x, mask, kernel, how):
     """Pool scores x [b, H, S] along the slots where `mask` holds, as if no other slot existed.
 
     The authors' code pools a batch-1 sequence of the keys before the window; here padding, holes
-    left by eviction and the window sit among the slots, so the masked slots are packed to the
+    left by eviction and the window sit among the slots, so the slots `mask` keeps are packed to the
     front (stable: sequence order kept), pooled, and put back. The ends are padded as F.avg_pool1d
     (zeros, counted in the mean) and F.max_pool1d (-inf) pad them, as in the authors' code.
     """
