@@ -107,8 +107,8 @@ def response_logprobs(model, rollouts, temperature=1.0, topk=False, chunk=None, 
     positions = torch.arange(L, device=device).expand(N, L)
     hidden = model.get_decoder()(input_ids=ids, attention_mask=attention_mask, position_ids=positions,
                                  use_cache=False, **model_kwargs).last_hidden_state            # [N, L, H]
-    rows = (lengths - 1)[:, None] + torch.arange(T, device=device)                          # [N, T]
-    h = hidden[torch.arange(N, device=device)[:, None], rows]                               # [N, T, H]
+    at = (lengths - 1)[:, None] + torch.arange(T, device=device)        # [N, T] the positions P_i - 1 + t
+    h = hidden[torch.arange(N, device=device)[:, None], at]                                 # [N, T, H]
     head, tokens = model.get_output_embeddings(), tokens.to(device)
     ids_k = rollouts.topk_ids.to(device) if topk else tokens[..., None]                     # [N, T, k]
 
