@@ -401,7 +401,7 @@ def parse_args(argv=None):
     g.add_argument("--candidates", default="6,8,10,12,14,16,20,24,28,32,40", help="budgets to try, comma-separated")
     g.add_argument("--threshold", type=float, default=THRESHOLD, help="tail acceptance to hold")
     for name, what in [("bin_size", "tokens per length bin"), ("interval", "decode steps between compressions"),
-                       ("window", "newest tokens always kept"), ("sink", "first tokens always kept"),
+                       ("window", "newest tokens always kept"), ("sink", "first tokens streaming always keeps"),
                        ("max_new_tokens", "response length limit"), ("page_size", "blocktopk: tokens per page"),
                        ("dense_layers", "blocktopk: first layers that attend to everything")]:
         sparrow = {"page_size": "; --speedup: Sparrow's 16", "dense_layers": "; --speedup: Sparrow's 2"}.get(name, "")
