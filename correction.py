@@ -217,7 +217,7 @@ def rejection_mask(log_rho, mask, veto=1e-4, low=0.5, high=1.5, mode="token"):
     """
     check_shapes(log_rho=log_rho, mask=mask)
     check_band(low, high)
-    if veto < 0:
+    if not veto >= 0:
         raise ValueError(f"veto must be >= 0 (0 disables it), got {veto}")
     if mode not in ("token", "geometric"):
         raise ValueError(f"mode must be 'token' or 'geometric', got {mode!r}")
@@ -248,7 +248,7 @@ def importance_weights(log_rho, mask, cap=1.5, normalize=True, mode="truncate"):
     Returns w [N, T], 0 where mask is 0.
     """
     check_shapes(log_rho=log_rho, mask=mask)
-    if cap <= 0:
+    if not cap > 0:
         raise ValueError(f"cap must be > 0, got {cap}")
     if mode not in ("truncate", "mask"):
         raise ValueError(f"mode must be 'truncate' or 'mask', got {mode!r}")
@@ -275,7 +275,7 @@ def group_advantages(rewards, group_size, scale=True, eps=1e-4):
     Returns (advantages [N], float: integer rewards give float advantages; stats: groups, zero_std_groups).
     """
     check_groups(rewards, group_size)
-    if eps <= 0 and scale:
+    if scale and not eps > 0:
         raise ValueError(f"eps must be > 0 when scale=True, got {eps}")
     r = rewards.double().view(-1, group_size)                                         # [G, n]
     centered = r - r.mean(-1, keepdim=True)
@@ -323,10 +323,12 @@ def policy_loss(logp, logp_old, advantages, mask, weights=None, clip=0.2, clip_h
     if advantages.shape not in (logp.shape[:1], logp.shape):
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}, "
                          f"expected [N] = {tuple(logp.shape[:1])} or [N, T] = {tuple(logp.shape)}")
-    if clip <= 0 or (clip_high is not None and clip_high <= 0):
+    if not (clip > 0 and (clip_high is None or clip_high > 0)):
         raise ValueError(f"clip and clip_high must be > 0, got clip={clip}, clip_high={clip_high}")
     if agg not in ("seq-mean", "token-mean"):
         raise ValueError(f"agg must be 'seq-mean' or 'token-mean', got {agg!r}")
+    if not kl_coef >= 0:
+        raise ValueError(f"kl_coef must be >= 0 (0: no KL term), got {kl_coef}")
     if kl_coef and logp_ref is None:
         raise ValueError(f"kl_coef={kl_coef} needs logp_ref, the reference model's log-probs")
     kept = mask > 0

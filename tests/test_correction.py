@@ -529,6 +529,15 @@ BAD_INPUT = [
     (lambda: policy_loss(Z, Z, torch.zeros(2), Z, agg="sum"), "agg must be .* got 'sum'"),
     (lambda: policy_loss(Z, Z, torch.zeros(2), Z, clip=0), "clip=0"),
     (lambda: policy_loss(Z, Z, torch.zeros(2), Z, kl_coef=0.1), "kl_coef=0.1 needs logp_ref"),
+    # nan passes every `x <= 0` test: each setting is checked as `not x > 0`, or it gives nan weights, advantages or
+    # loss, or (veto) silently no veto; a negative KL coefficient would push the policy away from the reference
+    (lambda: importance_weights(Z, Z, cap=math.nan), "cap must be > 0, got nan"),
+    (lambda: rejection_mask(Z, Z, veto=math.nan), r"veto must be >= 0 \(0 disables it\), got nan"),
+    (lambda: group_advantages(torch.zeros(4), 2, eps=math.nan), "eps must be > 0 when scale=True, got nan"),
+    (lambda: policy_loss(Z, Z, torch.zeros(2), Z, clip=math.nan), "clip=nan, clip_high=None"),
+    (lambda: policy_loss(Z, Z, torch.zeros(2), Z, clip_high=math.nan), "clip=0.2, clip_high=nan"),
+    (lambda: policy_loss(Z, Z, torch.zeros(2), Z, kl_coef=-0.1, logp_ref=Z), r"kl_coef must be >= 0 .* got -0.1"),
+    (lambda: policy_loss(Z, Z, torch.zeros(2), Z, kl_coef=math.nan, logp_ref=Z), r"kl_coef must be >= 0 .* got nan"),
     (lambda: acceptance(torch.zeros(2, 3, 4), torch.zeros(2, 3, 5)), r"topk_logp_b has shape \(2, 3, 5\)"),
     (lambda: mismatch_stats(Z, torch.zeros(3), Z), r"logp_sparse has shape \(3,\)"),
     (lambda: mismatch_stats(Z, Z, Z, topk_dense=torch.zeros(2, 3, 4)), "both topk_dense and topk_sparse"),
