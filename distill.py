@@ -12,10 +12,10 @@ frozen, with a forward that uses the SAME sparsity the sampler used:
 
 KL is k3 between the sparse+LoRA log-probs and the dense old log-probs (detached) of the sampled
 tokens, token-mean, lambda 1e-3 (Sparrow's configuration); the KL alone has coefficient 1, as Sparrow's.
-The sparse training forward is the
-dense forward under a 4D mask that hides, for each response token, what the sampler's cache had
-not kept when it sampled that token (for block top-k: the pages it did not choose): eviction
-equals masking, so with a zero adapter it reproduces the sampler's own log-probs (tested).
+The sparse training forward is the dense forward under a 4D mask that hides, for each response
+token, what the sampler's cache had not kept when it sampled that token (for block top-k: the pages
+it did not choose): eviction equals masking, so with the adapter the sampler had, it reproduces the
+sampler's own log-probs (tested).
 
     lora = LoRA(model, rank=8)                        # B = 0: the adapter starts as the identity
     with lora.on():

@@ -37,7 +37,6 @@ def moved_adapter(model, seed=0, alpha=distill.ALPHA):
     return lora
 
 
-
 def test_the_adapter_starts_from_its_seed_alone():
     # a --distill run that made its warm-up and one that found it cached drew different numbers before the
     # adapter: its A must come from its own seed, and lie in PEFT's Kaiming-uniform range, |A| <= 1 / sqrt(in)
@@ -49,6 +48,7 @@ def test_the_adapter_starts_from_its_seed_alone():
     for key, A in first.A.items():
         assert torch.equal(A, again.A[key]) and not torch.equal(A, other.A[key])
         assert A.abs().max() <= 1 / math.sqrt(A.shape[1]) and A.abs().max() > 0.5 / math.sqrt(A.shape[1])
+
 
 def test_a_zero_adapter_changes_nothing():
     model = tiny_model("llama")
