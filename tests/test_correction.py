@@ -256,6 +256,45 @@ def test_policy_loss_by_hand():
     assert loss.item() == pytest.approx((-3.2 / 3 + 2.3 / 2) / 2 + 0.5 * (1 - LN2), rel=1e-5)
 
 
+def loop_loss(logp, logp_old, logp_ref, A, kept, sampled, w, clip, clip_high, kl_coef, agg):
+    """METHOD.md section 5 token by token, in plain Python floats: L_t = w_t * max(-r A, -clip(r) A) + kl_coef * k3_t
+    on each kept token; seq-mean divides response i by the n_i tokens it sampled and the sum by every response,
+    token-mean by all sampled tokens. Tensors [N, T] (A [N]) in, a float out."""
+    logp, logp_old, logp_ref, A, kept, w = (x.tolist() for x in (logp, logp_old, logp_ref, A, kept, w))
+    sums, n = [], sampled.sum(-1).tolist()
+    for i in range(len(n)):
+        total = 0.0
+        for t in range(len(logp[i])):
+            if kept[i][t]:
+                r = math.exp(logp[i][t] - logp_old[i][t])
+                pg = max(-r * A[i], -min(max(r, 1 - clip), 1 + clip_high) * A[i])
+                q = math.exp(logp_ref[i][t] - logp[i][t])                          # pi_ref / pi_theta
+                total += w[i][t] * pg + kl_coef * (q - 1 - math.log(q))
+        sums.append(total)
+    if agg == "seq-mean":
+        return sum(s / max(k, 1) for s, k in zip(sums, n)) / len(n)
+    return sum(sums) / max(sum(n), 1)
+
+
+def test_policy_loss_equals_a_per_token_loop():
+    # random batches with responses of 0 to 5 tokens, random rejection, weights and a KL whose k3 differs per token:
+    # the KL term too is summed over the kept tokens only and divided as the policy-gradient term is (the hand test
+    # above has k3 equal on every token, where every aggregation gives the same number)
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        N, T = 1 + trial % 4, 1 + trial % 5
+        sampled = (torch.arange(T) < torch.randint(0, T + 1, (N,), generator=g)[:, None]).double()
+        kept = sampled * torch.randint(0, 2, (N, T), generator=g)
+        logp = -torch.rand(N, T, generator=g, dtype=torch.float64) * 3
+        logp_old, logp_ref = (logp + torch.randn(N, T, generator=g, dtype=torch.float64) * 0.4 for _ in range(2))
+        A, w = torch.randn(N, generator=g, dtype=torch.float64), torch.rand(N, T, generator=g, dtype=torch.float64) * 2
+        clip_high = (None, 0.3)[trial % 2]
+        for agg in ("seq-mean", "token-mean"):
+            loss, _ = policy_loss(logp, logp_old, A, kept, w, 0.2, clip_high, 0.1, logp_ref, agg, response_mask=sampled)
+            expected = loop_loss(logp, logp_old, logp_ref, A, kept, sampled, w, 0.2, clip_high or 0.2, 0.1, agg)
+            assert loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-12), (trial, agg)
+
+
 def test_rejection_does_not_enlarge_the_step_of_the_rest():
     # 8 responses of 2 tokens, on-policy (r = 1), A = +-1; rejection vetoes 4 of them. The authors'
     # seq-mean (slime: each response's token mean over its sampled tokens, summed, / global batch 8):
