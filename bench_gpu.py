@@ -32,8 +32,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import bench
-from bench import (EVICTION, HF, HF_FIELDS, LONG_POLICY, agreement, copy_bandwidth, greedy, kv_formula, log,
-                   pct, random_ids, ratio, timed)
+from bench import (EVICTION, HF, HF_FIELDS, LONG_POLICY, agreement, copy_bandwidth, greedy, head_dim, kv_formula,
+                   log, pct, random_ids, ratio, timed)
 from cli import markdown
 from correction import ALPHA_TOPK, dense_logprobs
 from kvcache import KVCache, SparseConfig
@@ -70,9 +70,9 @@ ROWS = [(HF, "new", {}), ("full", "new", {}), (HF, "long_new", {}), ("full", "lo
 # ----------------------------------------------------------------------------- the device
 
 def qwen3_model(s, device):
-    """A random Qwen3 of shape `s` (head_dim = hidden / heads, tied embeddings) in bf16 on `device`, eval mode."""
+    """A random Qwen3 of shape `s` (heads `bench.head_dim` wide, tied embeddings) in bf16 on `device`, eval mode."""
     torch.manual_seed(0)
-    config = Qwen3Config(**{field: s[ours] for ours, field in HF_FIELDS.items()}, head_dim=s["hidden"] // s["heads"],
+    config = Qwen3Config(**{field: s[ours] for ours, field in HF_FIELDS.items()}, head_dim=head_dim(s),
                          tie_word_embeddings=True, max_position_embeddings=s["prompt"] + s["search_new"],
                          eos_token_id=None)
     with torch.device(device):   # initialised where it runs: 1.7B parameters are slow to initialise on a CPU
@@ -151,7 +151,7 @@ def plan(s, sampler, length, budget=None):
 
 def kv_read_bytes(s, sampler, context, batch, budget=None):
     """Bytes of keys and values one decode step reads over all layers, at a mean `context`, in bf16."""
-    budget, D, L = budget or s["budget"], s["hidden"] // s["heads"], s["layers"]
+    budget, D, L = budget or s["budget"], head_dim(s), s["layers"]
     per_token = 2 * s["kv_heads"] * D * 2 * batch          # K and V of one layer, every row
     if sampler in EVICTION:                                # it holds budget .. budget + interval: mean in between
         return L * per_token * (budget + s["interval"] / 2)
@@ -457,7 +457,7 @@ def main(args):
     # every parameter's bytes, a tied matrix once: what each decode step reads at least once
     record["weight_bytes"] = weights = sum(p.numel() * p.element_size() for p in model.parameters())
     report.write(f"Machine: {machine}. Model: random Qwen3, {s['layers']} layers, {s['hidden']} wide, {s['heads']} heads"
-                 f" / {s['kv_heads']} KV heads of {s['hidden'] // s['heads']}, vocabulary {s['vocab']}, tied embeddings,"
+                 f" / {s['kv_heads']} KV heads of {head_dim(s)}, vocabulary {s['vocab']}, tied embeddings,"
                  f" bf16: {size(weights)} of weights. Copy bandwidth (device to device, read + write): "
                  f"{bandwidth / 1e9:.0f} GB/s. The bandwidth bound of a step: weights + the KV it reads, at that rate.")
     try:

@@ -238,6 +238,15 @@ def test_kv_read_bytes_of_the_1_7b_shape_by_hand():
     assert bench_gpu.kv_read_bytes(s, "snapkv", 1024, 1, budget=1024) == 28 * 4096 * (1024 + 64)
 
 
+def test_a_shapes_own_head_dim_sizes_the_model_and_its_read_bytes_as_the_kv_formula():
+    # Qwen3 sets head_dim apart from hidden / heads (0.6B: 128, not 1024 / 16 = 64); here 32, not 64 / 4 = 16. The
+    # model, the bytes a dense step reads and the KV formula column must all use the shape's one head width.
+    s = dict(bench_gpu.TINY, head_dim=32)
+    assert bench_gpu.qwen3_model(s, torch.device("cpu")).config.head_dim == 32
+    dense = bench_gpu.kv_read_bytes(s, "full", 100, 3)        # K and V * layers * KV heads * 32 * tokens * bf16 * batch
+    assert dense == bench.kv_formula(dict(s, batch=3), 100, 2) == 2 * 2 * 2 * 32 * 100 * 2 * 3
+
+
 def test_measure_row_shares_weights_and_kv_at_the_windows_middle_over_the_step_time(monkeypatch):
     # Pins measure_row's "of the bandwidth bound": (weights + the KV read at the timed window's middle context)
     # / step seconds / bandwidth, on a fake window_run of 0.25 s a step. TINY, batch 4: one layer's K and V of a
