@@ -373,14 +373,14 @@ def print_step_times(model, prompts, configs, args):
               f"{1e3 * collector[p].seconds / len(seconds[p]):4.2f} a step, {collector[p].full} full collections")
 
 
-def check_cache_fits(shape, batch, prompt, new, configs, dtype, device):
+def check_cache_fits(config, batch, prompt, new, configs, dtype, device):
     """A ValueError naming the sizes when the KV cache that a policy of `configs` preallocates at the prefill, for
     rollouts of up to `new` tokens, exceeds the device's memory: `KVCache.capacity` slots (full and block top-k:
     prompt + new; an evicting cache: budget + interval, the prompt whole at least), 2 x layers x kv heads x head
-    dim x batch x slots. Found now, not as an allocator's traceback (or minutes of swapping) once a model is built."""
-    head_dim = shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
+    dim x batch x slots, read from the model's `config` (its head_dim as Hugging Face sets it, the one attention
+    uses). Found now, not as an allocator's traceback (or minutes of swapping) once a model is built."""
     slots, policy = max((KVCache(sparse, 1, new).capacity(prompt), policy) for policy, sparse in configs.items())
-    need = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * batch * slots * dtype.itemsize
+    need = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * batch * slots * dtype.itemsize
     has = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else
            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else float("inf"))
     if need > has:
@@ -434,11 +434,11 @@ def main(argv=None):
         dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
         counted = [counted_steps(sparse, args.prompt)[1] for sparse in configs.values()] if args.count_ops else []
         new = max(args.new, args.profile, WARM_UP, *counted)           # the longest rollout this run decodes
-        check_cache_fits(SHAPES[args.shape], args.batch, args.prompt, new, configs, dtype, device)
+        config = LlamaConfig(max_position_embeddings=args.prompt + new + 1, **SHAPES[args.shape])
+        check_cache_fits(config, args.batch, args.prompt, new, configs, dtype, device)
     except (RuntimeError, ValueError) as error:
         p.error(str(error))
     torch.manual_seed(0)
-    config = LlamaConfig(max_position_embeddings=args.prompt + new + 1, **SHAPES[args.shape])
     with torch.device(device):   # initialised where it runs: a 2B model takes ~25 s to initialise on a CPU
         model = LlamaForCausalLM(config)
     model = model.to(dtype).eval()
