@@ -37,7 +37,7 @@ from bench import (EVICTION, HF, HF_FIELDS, LONG_POLICY, agreement, copy_bandwid
 from cli import markdown
 from correction import ALPHA_TOPK, dense_logprobs
 from kvcache import KVCache, SparseConfig
-from policies import RESERVED_PAGES
+from policies import attended_pages
 from sampler import Rollouts, clock, generate
 
 # ----------------------------------------------------------------------------- settings
@@ -157,7 +157,7 @@ def kv_read_bytes(s, sampler, context, batch, budget=None):
         return L * per_token * (budget + s["interval"] / 2)
     if sampler == "blocktopk":   # dense layers read all; the rest their chosen pages + the 2 newest + the first,
         page, dense = SparseConfig.page_size, SparseConfig.dense_layers   # and the fp32 page key sums they score
-        chosen = min(context, (budget // page + RESERVED_PAGES) * page)
+        chosen = min(context, attended_pages(budget, page) * page)
         sums = context / page * s["kv_heads"] * D * 4 * batch
         return per_token * (dense * context + (L - dense) * chosen) + (L - dense) * sums
     return L * per_token * context

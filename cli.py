@@ -19,7 +19,7 @@ import correction as C
 import distill
 from kvcache import POLICIES
 from models import CACHE_DIR, DTYPES, SMOLLM2, checkpoint_args, last_checkpoint
-from policies import RESERVED_PAGES
+from policies import RESERVED_PAGES, attended_pages
 from tasks import TASKS, TOY_TASKS, get_task
 
 # Defaults per kind of run, where no flag is given. Toy runs (no --model): tasks.TOY_TASKS, per task.
@@ -331,7 +331,7 @@ def check_evicts(flag, budget, policy, interval, longest, max_new_tokens, page_s
     row = longest + max_new_tokens - 1                                # tokens held at the last decode step
     whence = f"(prompt {longest} + --max-new-tokens {max_new_tokens} - 1)"
     if page_size:
-        pages, top = (row - 1) // page_size + 1, budget // page_size + RESERVED_PAGES
+        pages, top = (row - 1) // page_size + 1, attended_pages(budget, page_size)
         below = (pages - RESERVED_PAGES) * page_size                  # a budget of at least one page: page_size
         advice = f"a budget below {below}" if below > page_size else "a smaller --page-size or more --max-new-tokens"
         if top >= pages:

@@ -30,7 +30,7 @@ from cli import check_dense_layers, check_evicts, check_least, check_out_file, c
 from correction import acceptance, dense_logprobs  # alpha = sum_v min(p_a, p_b) (section 4)
 from kvcache import DENSE, POLICIES, SparseConfig
 from models import DTYPES, autocast, load_pretrained, pick_device, toy_settings, write_text_atomically
-from policies import RESERVED_PAGES
+from policies import attended_pages
 from sampler import check_length, generate
 
 THRESHOLD = 0.86  # Sparrow: runs whose 5th-percentile acceptance stayed >= 0.86 trained stably
@@ -179,11 +179,10 @@ def blamed_bin(i, budgets, longest, compressed, page_size=None, seen=None):
     Eviction: i itself if the cache compressed in it; if not, what i misses was dropped earlier, for good, so the
     latest earlier bin where it compressed; None if it compressed in no bin up to i (eviction is not the cause).
     Block top-k (`page_size`): nothing is dropped for good, each step chooses its pages anew, so i itself if its
-    longest context has more pages than a step attends (budget // page_size, plus the first and 2 newest, as
-    `KVCache.start_step`); else None."""
+    longest context has more pages than a step attends (`policies.attended_pages`); else None."""
     if page_size:
         pages = (int(longest[i]) - 1) // page_size + 1
-        return i if budgets[i] is not None and budgets[i] // page_size + RESERVED_PAGES < pages else None
+        return i if budgets[i] is not None and attended_pages(budgets[i], page_size) < pages else None
     return max([j for j in compressed if j <= i and (seen is None or j in seen)], default=None)
 
 
@@ -359,7 +358,7 @@ def cost(config, context, budget=None, batch=1, page_size=None, dense_layers=0, 
     sparse = 0 if budget is None or budget >= context else L - min(dense_layers, L)   # the layers that read less
     kv = context
     if sparse:   # eviction: the budget; blocktopk: the budget's pages and the reserved ones
-        kv = min(context, (budget // page_size + RESERVED_PAGES) * page_size if page_size else budget)
+        kv = min(context, attended_pages(budget, page_size) * page_size if page_size else budget)
     read = (L - sparse) * context + sparse * kv                       # kv_len summed over the layers
     flops = batch * (2 * P + 4 * n * d * read)                        # per row: 2 * P for the weights, QK and PV
     data = bytes_per * (P + batch * 2 * n_kv * d * read)              # the weights once a step, each row's K and V

@@ -55,7 +55,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvcache import DENSE, POLICIES, KVCache, SparseConfig, attention
-from policies import RESERVED_PAGES, page_plan, top_pages
+from policies import attended_pages, page_plan, top_pages
 
 # A step reads the held slots rounded up to a multiple of SPAN (or the whole buffer, if shorter): at 512 + 1536,
 # 64 slots more than it holds on average, one graph captured per 128 steps; a multiple of 16 keeps the attention
@@ -108,7 +108,7 @@ class StaticCache(KVCache):
             self.now = torch.zeros(B, 1, dtype=torch.long, device=device)
             self.pages = torch.zeros(B, dtype=torch.long, device=device)
             # blocktopk attends to at most the largest budget's pages + the reserved ones, of those that exist
-            self.k_pages = min(sparse.largest_budget // sparse.page_size + RESERVED_PAGES,
+            self.k_pages = min(attended_pages(sparse.largest_budget, sparse.page_size),
                                (first.pos_buf.shape[-1] - 1) // sparse.page_size + 1)
             if self.history is not None:
                 self.seen = [layer.pos_buf.new_full(self.seen_shape(i, layer), -1) for i, layer in enumerate(self.layers)]

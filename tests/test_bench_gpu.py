@@ -9,6 +9,7 @@ import torch
 import bench
 import bench_gpu
 import kvcache
+import policies
 import sampler
 from kvcache import SparseConfig
 from sampler import generate
@@ -222,7 +223,7 @@ def test_kv_read_bytes_of_the_1_7b_shape_by_hand():
     # 28 layers, 8 KV heads of 2048 / 16 = 128, batch 64, bf16: one layer's K and V of one token, every row, is
     # 2 x 8 x 128 x 2 bytes x 64 = 262144 bytes (256 KiB)
     s = dict(layers=28, hidden=2048, heads=16, kv_heads=8, batch=64, budget=512, interval=128)
-    assert (SparseConfig.page_size, SparseConfig.dense_layers, bench_gpu.RESERVED_PAGES) == (16, 2, 3)
+    assert (SparseConfig.page_size, SparseConfig.dense_layers, policies.RESERVED_PAGES) == (16, 2, 3)
     # dense at context 1024: 28 x 256 KiB x 1024 = 7 GiB
     assert bench_gpu.kv_read_bytes(s, "full", 1024, 64) == 7 * 2**30
     # eviction holds 512 .. 512 + 128 tokens: 576 on average, at any context: 28 x 256 KiB x 576
