@@ -396,7 +396,7 @@ class KVCache(Cache):
         # A decode step over real earlier tokens only sees every slot: no mask to build or apply.
         masked = not self.decoding or layer.holes or sliding_window is not None
         keys, values, key_pos = layer.keys, layer.values, layer.pos
-        if sparse.policy == "blocktopk" and self.decoding and layer_idx >= sparse.dense_layers:
+        if layer.page_size and self.decoding:   # block top-k, past the dense layers (`update` gave it its pages)
             if self.plan_pages is None:
                 self.plan_pages = page_plan(layer.page_count, self.top, self.top_k, layer.pos, sparse.page_size)
             index, key_pos = top_pages(layer, query, self.plan_pages, layer.pos)

@@ -111,15 +111,14 @@ class StaticCache(KVCache):
             self.k_pages = min(attended_pages(sparse.largest_budget, sparse.page_size),
                                (first.pos_buf.shape[-1] - 1) // sparse.page_size + 1)
             if self.history is not None:
-                self.seen = [layer.pos_buf.new_full(self.seen_shape(i, layer), -1) for i, layer in enumerate(self.layers)]
+                self.seen = [layer.pos_buf.new_full(self.seen_shape(layer), -1) for layer in self.layers]
         self.cursor.fill_(first.size)
         self.ring.fill_(first.ring)
         for layer in self.layers:
             layer.pos_buf[:, :, layer.size:] = -1    # a compression left old positions past the kept slots
 
-    def seen_shape(self, layer_idx, layer):
-        paged = self.sparse.policy == "blocktopk" and layer_idx >= self.sparse.dense_layers
-        return (*layer.pos_buf.shape[:2], self.k_pages * self.sparse.page_size if paged else layer.pos_buf.shape[2])
+    def seen_shape(self, layer):   # a paged layer (block top-k, past the dense ones) gathers k_pages pages
+        return (*layer.pos_buf.shape[:2], self.k_pages * layer.page_size if layer.page_size else layer.pos_buf.shape[2])
 
     # the step (traced, captured): tensors in place, no host ints that change
 
@@ -147,7 +146,7 @@ class StaticCache(KVCache):
             layer.query_pos.index_copy_(1, self.ring, self.now)
         span = slice(0, self.span)
         keys, values, key_pos = layer.k_buf[:, :, span], layer.v_buf[:, :, span], layer.pos_buf[:, :, span]
-        if sparse.policy == "blocktopk" and layer_idx >= sparse.dense_layers:
+        if layer.page_size:                     # block top-k, past the dense layers (`KVCache.update`)
             if self.plan_pages is None:     # the step's first sparse layer (start_step cleared it): in the graph
                 self.plan_pages = page_plan(layer.page_count, self.pages, self.k_pages, key_pos, sparse.page_size)
             index, key_pos = top_pages(layer, query, self.plan_pages, key_pos)
