@@ -156,7 +156,11 @@ def keep_indices(scores, count, n):
 
 NEWEST_PAGES = 2                    # block top-k always attends a row's 2 newest pages (its local window)
 RESERVED_PAGES = 1 + NEWEST_PAGES   # and its first (the attention sinks), beside the budget's best pages
-attended_pages = lambda budget, page_size: budget // page_size + RESERVED_PAGES   # pages a step attends at `budget`
+
+
+def attended_pages(budget, page_size):
+    """Pages a block top-k step attends at `budget`: the budget's best pages, plus the first and the 2 newest."""
+    return budget // page_size + RESERVED_PAGES
 
 
 class PagePlan(NamedTuple):
