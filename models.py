@@ -167,6 +167,9 @@ def pretrained_folder(model, gguf_file=None, cache_dir=CACHE_DIR):
         if not Path(model).exists() and not hub_form(model):   # a mistyped folder: no ~50 s of hub retries first
             raise ValueError(f"model {model!r} is neither an existing folder, a GGUF file, {SMOLLM2}, "
                              "nor a hub id 'owner/name' (letters, digits and - _ . in each part)")
+        if Path(model).is_file():   # a saved model's config.json: transformers' error spoke of a malformed hub id
+            raise ValueError(f"model {model!r} is a file, not a folder: give the folder of a saved model (the one "
+                             "that holds config.json), or a .gguf file")
         if Path(model).is_dir() and not Path(model, "config.json").is_file():
             raise ValueError(f"folder {model!r} holds no config.json: no saved model (train.py saves one in "
                              "<out>/warmup and in each <out>/step-NNNNNN)")

@@ -80,6 +80,19 @@ def test_a_folder_that_holds_no_model_is_named(tmp_path):
         models.load_pretrained(str(tmp_path))
 
 
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_a_file_of_a_saved_model_is_refused_naming_it(tmp_path, name):
+    # was transformers' error: "Repo id must be in the form 'repo_name' or 'namespace/repo_name'" for config.json,
+    # "the config file at ... is not a valid JSON file" for the weights
+    tokenizer = tasks.char_tokenizer()
+    models.toy_model(tokenizer).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"^model '{tmp_path / name}' is a file, not a folder: give the folder of a "
+                                         "saved model \\(the one that holds config.json\\), or a .gguf file$"):
+        models.load_pretrained(str(tmp_path / name))
+    assert models.load_pretrained(str(tmp_path))[0].config.vocab_size == len(tokenizer)
+
+
 def test_a_hub_id_says_why_it_waits_then_fails_in_one_line(tmp_path, monkeypatch, capsys):
     # offline, the hub's own retries take ~50 s: the wait is announced before it, and its error is one line
     def offline(*args, **kwargs):
