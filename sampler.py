@@ -11,6 +11,7 @@ correction compares with a dense re-scoring).
                    max_new_tokens=32, temperature=1.0, eos_token_id=2)
     out.tokens, out.mask, out.logprobs, out.stats["peak_kv_bytes"]
 """
+import operator
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -120,28 +121,46 @@ def end_ids(eos_token_id):
         else [eos_token_id]
 
 
+def integer(value):
+    """`value` as a Python int if it is an integer: a Python or numpy one, or a 0-d integer tensor (an element of a
+    tensor of ids); else None. A bool is none, though Python counts True as 1."""
+    if isinstance(value, bool) or isinstance(value, torch.Tensor) and (value.dim() or value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:   # a float (1.7 would be cut to 1), a string, a list: no token id
+        return None
+
+
 def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk, eos_token_id=None, pad_token_id=0):
     """Reject bad input with a message naming the value, before any forward pass."""
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r:.80}")
     vocab = model.config.vocab_size
     for i, prompt in enumerate(prompts):
-        if len(prompt) == 0:
+        try:
+            ids = [integer(t) for t in prompt]
+        except TypeError:   # one prompt's ids, [1, 5, 7], given for [[1, 5, 7]]
+            raise ValueError(f"prompt {i} is {prompt!r:.40}, no list of token ids (one prompt: [[1, 5, 7]])") from None
+        if len(ids) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): min {min(prompt)}, max {max(prompt)}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if None in ids:
+            raise ValueError(f"prompt {i} holds {prompt[ids.index(None)]!r:.40}: token ids are integers, no bools")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): min {min(ids)}, max {max(ids)}")
+    count = lambda n: isinstance(n, int) and not isinstance(n, bool) and n >= 1   # True would be a count of 1
+    if not count(max_new_tokens):
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     check_length(max(map(len, prompts)), max_new_tokens, model.config)
     if not 0 <= temperature < float("inf"):   # NaN too: it would sample token 0 and record NaN log-probs
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
-    if not isinstance(logprobs_topk, int) or logprobs_topk < 1:
+    if not count(logprobs_topk):
         raise ValueError(f"logprobs_topk must be a positive integer, got {logprobs_topk!r}")
     # an id outside the vocabulary: an EOS would never match (rows run on past their end), a padding id would fail
     # in the embedding, at the prefill or, with prompts of one length, mid-rollout when the first row ends
-    token_id = lambda i: isinstance(i, int) and 0 <= i < vocab
+    token_id = lambda i: integer(i) in range(vocab)
     if not all(map(token_id, end_ids(eos_token_id))):
         raise ValueError(f"eos_token_id must be a token id in [0, {vocab}) or a list of them, got {eos_token_id!r}")
     if not token_id(pad_token_id):
@@ -182,7 +201,7 @@ def generate(model, prompts, sparse=None, max_new_tokens=256, temperature=1.0, t
              eos_token_id=None, pad_token_id=0, seed=0, logprobs_topk=ALPHA_TOPK, record=False, captured=False):
     """Sample a response for every prompt through a `KVCache` compressed as `sparse` says (None: dense).
 
-    prompts: N lists of token ids (any lengths). Left-padded prefill, then one token per step
+    prompts: N lists of token ids (ints, numpy ints or 0-d tensors; any lengths). Left-padded prefill, one token a step
     for every row; a row is done after EOS (`eos_token_id`: an id, or a list of ids as Hugging Face takes),
     the loop stops soon after all rows are done.
     temperature 0 is greedy (log-probs are then recorded at temperature 1). Reproducible per
@@ -193,8 +212,11 @@ def generate(model, prompts, sparse=None, max_new_tokens=256, temperature=1.0, t
     stats count every step it ran.
     """
     check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk, eos_token_id, pad_token_id)
+    prompts = [list(map(integer, p)) for p in prompts]      # numpy or 0-d tensor ids: Python ints from here on
+    pad_token_id = integer(pad_token_id)
     sparse, device = sparse or SparseConfig(), model.device
-    ends = torch.tensor(end_ids(eos_token_id), dtype=torch.long, device=device)   # [E], E = 0: no EOS
+    # [E] the ids that end a row (E = 0: no EOS), as Python ints: torch.tensor takes no list of 0-d numpy arrays
+    ends = torch.tensor([integer(e) for e in end_ids(eos_token_id)], dtype=torch.long, device=device)
     ids, positions = left_pad(prompts, pad_token_id, device)
     N, k = len(prompts), min(logprobs_topk, model.config.vocab_size)
     cache = (StaticCache if captured else KVCache)(sparse, model.config.num_hidden_layers, max_new_tokens, seed, record)
@@ -243,5 +265,5 @@ def generate(model, prompts, sparse=None, max_new_tokens=256, temperature=1.0, t
         padded = lambda steps: [F.pad(s, (0, max(s.shape[-1] for s in steps) - s.shape[-1]), value=-1) for s in steps]
         kept = [torch.stack(padded(layer[:T])) for layer in cache.history]
     columns = lambda steps: torch.stack(steps[:T], 1)
-    return Rollouts([list(p) for p in prompts], columns(tokens), mask[:, :T], columns(logprobs),
+    return Rollouts(prompts, columns(tokens), mask[:, :T], columns(logprobs),
                     columns(topk_logprobs), columns(topk_ids), stats, kept)

@@ -2,6 +2,7 @@
 no decode step reads a device value on the host (the host runs ahead of a GPU)."""
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -217,7 +218,13 @@ def test_bfloat16_runs_close_to_float32():
     ([[1, 99]], {}, "token ids outside \\[0, 64\\)"),
     ([[1, 64]], {}, "token ids outside \\[0, 64\\): min 1, max 64"),      # the vocabulary's first id past its end
     ([[0, -1]], {}, "token ids outside \\[0, 64\\): min -1, max 0"),
+    ([[True, 2]], {}, "^prompt 0 holds True: token ids are integers, no bools$"),        # was: token 1
+    ([[1, 2], [1.7, 2]], {}, "^prompt 1 holds 1.7: token ids are integers"),       # was: cut to 1, silently
+    ([[1, "2"]], {}, "^prompt 0 holds '2': token ids are integers"),                 # was: a TypeError from min()
+    ([1, 5, 7], {}, "^prompt 0 is 1, no list of token ids \\(one prompt: \\[\\[1, 5, 7\\]\\]\\)$"),   # was: a TypeError
     ([[1, 2]], dict(logprobs_topk=0), "logprobs_topk must be a positive integer, got 0"),
+    ([[1, 2]], dict(logprobs_topk=True), "logprobs_topk must be a positive integer, got True"),   # was: a TypeError
+    ([[1, 2]], dict(max_new_tokens=True), "max_new_tokens must be a positive integer, got True"),   # was: 1 token
     ([[1, 2]], dict(max_new_tokens=0), "max_new_tokens must be a positive integer, got 0"),
     ([[1, 2, 3], [4]], dict(max_new_tokens=510), "max_new_tokens \\(--max-new-tokens\\) 510: the longest prompt "
                                                  "\\(3 tokens\\) plus the response must fit the model's 512 positions, "
@@ -230,6 +237,10 @@ def test_bfloat16_runs_close_to_float32():
     ([[1, 2]], dict(eos_token_id=64), "eos_token_id must be a token id in \\[0, 64\\) or a list of them, got 64"),
     ([[1, 2]], dict(eos_token_id=[3, -1]), "eos_token_id must be .* or a list of them, got \\[3, -1\\]"),
     ([[1, 2]], dict(eos_token_id="2"), "eos_token_id must be .*, got '2'"),
+    ([[1, 2]], dict(eos_token_id=True), "eos_token_id must be .*, got True"),                # True is no id 1
+    ([[1, 2]], dict(eos_token_id=[3, False]), "eos_token_id must be .*, got \\[3, False\\]"),
+    ([[1, 2]], dict(pad_token_id=True), "pad_token_id must be a token id in \\[0, 64\\), got True"),
+    ([[1, 2]], dict(eos_token_id=torch.tensor([3, 4])), "eos_token_id must be .*, got tensor\\(\\[3, 4\\]\\)"),
     ([[1, 2]], dict(top_p=0.0), "top_p must lie in \\(0, 1\\], got 0.0"),
     ([[1, 2]], dict(top_p=1.5), "top_p must lie in \\(0, 1\\], got 1.5"),
 ])
@@ -240,6 +251,23 @@ def test_bad_input_is_refused_before_any_forward_pass(prompts, kwargs, message):
     with pytest.raises(ValueError, match=message):
         generate(model, prompts, SparseConfig("full"), **kwargs)
     assert calls == []
+
+
+@pytest.mark.parametrize("ids", [np.array, torch.tensor], ids=["numpy", "torch"])
+def test_token_ids_from_numpy_or_a_tensor_are_taken_as_the_integers_they_are(ids):
+    # a numpy array's (or a tensor's) elements are no Python ints: np.int64(7) was refused as an EOS or padding id,
+    # while the same prompts were taken; the rollouts' prompts are plain lists of ints, whatever came in
+    model = tiny_model("llama")
+    greedy = hf_greedy(model, PROMPTS, 24)
+    eos = [greedy[0, 3].item(), greedy[2, 6].item()]
+    theirs = hf_greedy(model, PROMPTS, 24, pad_token_id=7, eos_token_id=eos)
+    ours = generate(model, [ids(p) for p in PROMPTS], SparseConfig("full"), max_new_tokens=24, temperature=0,
+                    eos_token_id=list(ids(eos)), pad_token_id=ids(7))
+    T = theirs.shape[1]
+    assert T < 24 and torch.equal(ours.tokens[:, :T], theirs) and (ours.tokens[:, T:] == 7).all()
+    assert ours.prompts == PROMPTS and all(type(t) is int for p in ours.prompts for t in p)
+    alone = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=24, temperature=0, eos_token_id=ids(eos[0]))
+    assert torch.equal(alone.tokens, hf_greedy(model, PROMPTS, 24, eos_token_id=eos[0]))
 
 
 def test_a_generation_may_fill_the_models_positions_exactly():
