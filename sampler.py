@@ -60,7 +60,10 @@ class Rollouts:
 
     def select(self, index):
         """The rollouts at `index` (a list or 1-D tensor of row numbers), stats kept as they are."""
-        index = torch.as_tensor(index, dtype=torch.long)
+        index = torch.as_tensor(index)
+        if index.dtype == torch.bool:   # a mask [F, T, T], made long, would pick the rows [0, 1, 1]
+            raise ValueError("select takes row numbers, not a mask: select(mask.nonzero()[:, 0])")
+        index = index.long()
         rows = lambda t: t[index.to(t.device)]
         kept = None if self.kept is None else [k[:, index.to(k.device)] for k in self.kept]
         return Rollouts([self.prompts[i] for i in index.tolist()], rows(self.tokens), rows(self.mask),

@@ -270,6 +270,18 @@ def test_token_ids_from_numpy_or_a_tensor_are_taken_as_the_integers_they_are(ids
     assert torch.equal(alone.tokens, hf_greedy(model, PROMPTS, 24, eos_token_id=eos[0]))
 
 
+def test_select_keeps_the_rows_it_names_and_refuses_a_mask():
+    # a boolean mask [F, T, T] was turned into the row numbers [0, 1, 1]: rows 0 and 1, the second twice
+    model = tiny_model("llama")
+    out = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=4, temperature=1.0, record=True)
+    part = out.select([2, 0])
+    assert part.prompts == [PROMPTS[2], PROMPTS[0]] and torch.equal(part.tokens, out.tokens[[2, 0]])
+    assert all(torch.equal(a, b[:, [2, 0]]) for a, b in zip(part.kept, out.kept))
+    for mask in ([False, True, True], torch.tensor([False, True, True])):
+        with pytest.raises(ValueError, match="^select takes row numbers, not a mask"):
+            out.select(mask)
+
+
 def test_a_generation_may_fill_the_models_positions_exactly():
     # the refusal above starts one token past max_position_embeddings; HF's generate goes that far too
     model = tiny_model("llama", max_position_embeddings=16)
