@@ -213,7 +213,11 @@ def load_pretrained(model, gguf_file=None, cache_dir=CACHE_DIR, device="cpu", dt
         part = "weights"
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, SafetensorError) as error:
-        tried = "" if Path(model).exists() else f"no folder {model!r} here, and as a hub id: "
+        tried = ""
+        if path != model:   # a GGUF file's copy, damaged or made by another transformers: not the hub's fault
+            tried = f"its de-quantised copy {path} (remove it to make it again): "
+        elif not Path(model).exists():
+            tried = f"no folder {model!r} here, and as a hub id: "
         raise ValueError(f"cannot load the {part} of model {model!r}: {tried}"
                          f"{str(error).splitlines()[0].rstrip(': ')}") from None
     # transformers 5.17 (the GPU machine's) gives SmolLM2's GGUF tokenizer eos <|im_start|>, while the config

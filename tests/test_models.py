@@ -289,6 +289,23 @@ def test_set_aside_moves_a_run_to_the_next_free_previous_folder(tmp_path):
     assert models.set_aside(tmp_path) == tmp_path / "previous-14" and not any((tmp_path / "previous-14").iterdir())
 
 
+def test_a_damaged_de_quantised_copy_is_named_not_blamed_on_the_hub(tmp_path, monkeypatch):
+    # smollm2-135m's copy in --cache-dir with torn weights: the error said "no folder 'smollm2-135m' here, and as a
+    # hub id", and named no folder to remove
+    (tmp_path / "m.gguf").write_bytes(b"")
+    monkeypatch.setenv(models.SMOLLM2_GGUF, str(tmp_path / "m.gguf"))
+    key = models.hashlib.sha1(str(tmp_path.resolve() / "m.gguf").encode()).hexdigest()[:8]
+    cached = tmp_path / "cache" / f"m-{key}"
+    tokenizer = tasks.char_tokenizer()
+    models.toy_model(tokenizer).save_pretrained(cached)
+    tokenizer.save_pretrained(cached)
+    weights = cached / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=f"^cannot load the weights of model 'smollm2-135m': its de-quantised copy "
+                                         f"{cached} \\(remove it to make it again\\): [^\\n]*header"):
+        models.load_pretrained(models.SMOLLM2, cache_dir=tmp_path / "cache")
+
+
 def test_the_gguf_de_quantising_line_goes_to_stderr(tmp_path, monkeypatch, capsys):
     # Pins the line's stream: stdout is a command's table (`report.py inference > results/X.md`); the load is
     # stopped right after the line, at the tokenizer
