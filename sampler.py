@@ -11,6 +11,7 @@ correction compares with a dense re-scoring).
                    max_new_tokens=32, temperature=1.0, eos_token_id=2)
     out.tokens, out.mask, out.logprobs, out.stats["peak_kv_bytes"]
 """
+import numbers
 import operator
 import time
 from dataclasses import dataclass, field
@@ -155,9 +156,10 @@ def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk
     if not count(max_new_tokens):
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     check_length(max(map(len, prompts)), max_new_tokens, model.config)
-    if not 0 <= temperature < float("inf"):   # NaN too: it would sample token 0 and record NaN log-probs
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-    if not 0.0 < top_p <= 1.0:
+    real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)   # None: was a TypeError from `<=`
+    if not (real(temperature) and 0 <= temperature < float("inf")):   # NaN too: it would sample token 0, NaN log-probs
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not (real(top_p) and 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
     if not count(logprobs_topk):
         raise ValueError(f"logprobs_topk must be a positive integer, got {logprobs_topk!r}")

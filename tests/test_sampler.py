@@ -243,6 +243,9 @@ def test_bfloat16_runs_close_to_float32():
     ([[1, 2]], dict(eos_token_id=torch.tensor([3, 4])), "eos_token_id must be .*, got tensor\\(\\[3, 4\\]\\)"),
     ([[1, 2]], dict(top_p=0.0), "top_p must lie in \\(0, 1\\], got 0.0"),
     ([[1, 2]], dict(top_p=1.5), "top_p must lie in \\(0, 1\\], got 1.5"),
+    ([[1, 2]], dict(temperature=None), "temperature must be a finite number >= 0 .*, got None"),   # were a
+    ([[1, 2]], dict(temperature="0.7"), "temperature must be a finite number >= 0 .*, got '0.7'"),   # TypeError
+    ([[1, 2]], dict(top_p=None), "top_p must lie in \\(0, 1\\], got None"),                         # from `<`
 ])
 def test_bad_input_is_refused_before_any_forward_pass(prompts, kwargs, message):
     model = tiny_model("llama")
