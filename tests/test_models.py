@@ -121,9 +121,11 @@ def hub_calls(monkeypatch):
 
 @pytest.mark.parametrize("model", ["./my-modle", "../runs/x", "/no/such/folder", "~/models/x", "out/", "out/step 10",
                                    "a/b/c", "a--b/c", "owner/name.git", "-owner/name", "my-modle"])
-def test_a_value_of_no_folder_and_no_hub_ids_form_is_refused_without_asking_the_hub(monkeypatch, capsys, model):
+def test_a_value_of_no_folder_and_no_hub_ids_form_is_refused_without_asking_the_hub(tmp_path, monkeypatch, capsys,
+                                                                                    model):
     # huggingface_hub's validate_repo_id is the rule ('owner/name'; a bare name: see models.hub_form); 'out/',
     # 'out/step 10', 'a--b/c', 'owner/name.git' and '-owner/name' were sent to the hub and came back as its error
+    monkeypatch.chdir(tmp_path)                                       # no out/ here, whatever the repository holds
     calls = hub_calls(monkeypatch)
     with pytest.raises(ValueError, match=f"^model {re.escape(repr(model))} is neither an existing folder, a GGUF "
                                          "file, smollm2-135m, nor a hub id 'owner/name' "):
@@ -135,7 +137,8 @@ def test_a_value_of_no_folder_and_no_hub_ids_form_is_refused_without_asking_the_
 
 @pytest.mark.parametrize("model", ["HuggingFaceTB/SmolLM2-135M-Instruct", "openai-community/gpt2", "models/smollm",
                                    "org_1/name.v2"])
-def test_a_value_of_hub_id_form_with_no_folder_of_its_name_asks_the_hub(monkeypatch, model):
+def test_a_value_of_hub_id_form_with_no_folder_of_its_name_asks_the_hub(tmp_path, monkeypatch, model):
+    monkeypatch.chdir(tmp_path)
     calls = hub_calls(monkeypatch)
     with pytest.raises(ValueError, match=f"^cannot load the tokenizer of model '{model}': no folder '{model}' here, "
                                          "and as a hub id: "):
