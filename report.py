@@ -124,27 +124,30 @@ LOG_KEYS = {"metrics.jsonl": ("reward", "tokens", "dropped_tokens", "vetoed", "p
 
 
 def read_run(folder):
-    """(metrics lines, eval lines) of a `train.py --out` folder, each sorted by step (a repeated step: its last line)."""
+    """(metrics lines, eval lines) of a `train.py --out` folder, each sorted by step (a repeated step: its last line).
+    An error names the first bad line by its number in the file (blank lines count: an editor's line number)."""
     logs = []
     for name, keys in LOG_KEYS.items():
         path = Path(folder) / name
         if not path.is_file():
             raise ValueError(f"{folder!r} is not a train.py run folder: it holds no {name}"
                              + (" (results/runs is made by `bash reproduce.sh`)" if "results/runs" in str(folder) else ""))
-        text, lines = [line for line in path.read_text().splitlines() if line.strip()], []
-        for number, line in enumerate(text, 1):
+        numbered = [(number, text) for number, text in enumerate(path.read_text().splitlines(), 1) if text.strip()]
+        lines = []
+        for number, text in numbered:
             try:
-                lines.append(json.loads(line))
+                line = json.loads(text)
             except json.JSONDecodeError as error:      # a last line half written by a killed run is dropped,
-                if number < len(text):                 # as train.py --resume drops it
-                    raise ValueError(f"{path} is not JSON lines: {error}") from None
+                if number < numbered[-1][0]:           # as train.py --resume drops it
+                    raise ValueError(f"{path} line {number} is not JSON: {error.msg} (column {error.colno})") from None
+                continue
+            if not isinstance(line, dict) or type(line.get("step")) is not int:
+                raise ValueError(f"{path} line {number} has no \"step\" (a whole number): not a train.py log")
+            if lacking := [key for key in keys if key not in line]:
+                raise ValueError(f"{path} line {number} has no {lacking[0]!r}: not a train.py log")
+            lines.append(line)
         if not lines:
             raise ValueError(f"{path} is empty")
-        if stepless := [i for i, line in enumerate(lines, 1) if not isinstance(line, dict)
-                        or type(line.get("step")) is not int]:
-            raise ValueError(f"{path} line {stepless[0]} has no \"step\" (a whole number): not a train.py log")
-        if lacking := [(i, k) for i, line in enumerate(lines, 1) for k in keys if k not in line]:
-            raise ValueError(f"{path} line {lacking[0][0]} has no {lacking[0][1]!r}: not a train.py log")
         logs.append(sorted({line["step"]: line for line in lines}.values(), key=lambda line: line["step"]))
     return tuple(logs)
 

@@ -20,6 +20,11 @@ def line(step, tokens, dropped, vetoed, peak, dense, times, tails, reward=0.5):
                 budget_by_bin=[24] * len(tails))
 
 
+def logged(step):
+    """One whole metrics.jsonl line of `step`, as text."""
+    return json.dumps(line(step, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]))
+
+
 def write_run(folder, metrics, evals):
     folder.mkdir(parents=True)
     (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
@@ -157,7 +162,7 @@ def test_running_mean_and_variant_names():
 def test_bad_input_is_one_clear_line_before_any_model_is_loaded(runs, tmp_path, monkeypatch, extra, message):
     (tmp_path / "NOT-A-RUN").mkdir()
     (tmp_path / "STEPLESS").mkdir()
-    (tmp_path / "STEPLESS" / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"reward": 0.5}\n{"ste')
+    (tmp_path / "STEPLESS" / "metrics.jsonl").write_text(f'{logged(1)}\n{{"reward": 0.5}}\n{{"ste')
     (tmp_path / "STEPLESS" / "eval.jsonl").write_text('{"step": 0, "dense": 0.5}\n')
     write_run(tmp_path / "LACKING", [line(1, 100, 0, 0, 1, 1, (1, 0, 0), [1.0])], [(0, .5, .5)])
     (tmp_path / "LACKING" / "eval.jsonl").write_text('{"step": 0, "dense": 0.5, "sparse": 0.5}\n'
@@ -384,22 +389,25 @@ def test_a_repeated_step_keeps_its_last_line(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ('{"step": 1}\n{"step": 2, oops\n{"step": 3, "rew', "metrics.jsonl is not JSON lines"),   # bad before the last
+    (f'{logged(1)}\n{{"step": 2, oops\n{{"step": 3, "rew', "metrics.jsonl line 2 is not JSON: Expecting"),   # not last
     ("\n  \n", "metrics.jsonl is empty"),                                                    # blank lines only
-    ('{"step": 1}\n5\n{"reward": 1}\n', 'metrics.jsonl line 2 has no "step"'),            # the first stepless one
-    ('{"step": 1}\n{"step": "2"}\n', 'metrics.jsonl line 2 has no "step" \\(a whole number\\)'),   # was a TypeError
+    (f'{logged(1)}\n5\n{{"reward": 1}}\n', 'metrics.jsonl line 2 has no "step"'),          # the first stepless one
+    (f'{logged(1)}\n{{"step": "2"}}\n', 'metrics.jsonl line 2 has no "step" \\(a whole number\\)'),   # was a TypeError
     ('{"step": 1, "reward": 1}\n', "metrics.jsonl line 1 has no 'tokens': not a train.py log"),       # was a KeyError
-])
+    # the file's own line numbers, blank lines counted: were "line 2" and "line 1 column 13" (json's, of the line alone)
+    (f'{logged(1)}\n\n\n{{"reward": 1}}\n{logged(2)}\n', 'metrics.jsonl line 4 has no "step"'),
+    (f'{logged(1)}\n\n{{"step": 2, oops\n{logged(3)}\n', "metrics.jsonl line 3 is not JSON: Expecting property"),
+], ids=["bad-json", "blank", "not-an-object", "step-a-string", "no-tokens", "blanks-count", "bad-json-after-blank"])
 def test_read_run_forgives_a_half_written_last_line_only(tmp_path, text, message):
     # Pins read_run's rules: only the last line may fail to parse (a killed run's), a file of blank lines is empty,
-    # a line that is not an object counts as stepless, and the first stepless line is named; blank lines between
-    # records are skipped. Forgiving the line before the last too, or any bad line, or none, fails this.
+    # a line that is not an object counts as stepless, and the first bad line is named by its line in the file;
+    # blank lines between records are skipped. Forgiving the line before the last too, or any bad line, or none,
+    # fails this.
     folder = write_run(tmp_path / "r-s0", [], [(0, .5, .5)])
     (tmp_path / "r-s0" / "metrics.jsonl").write_text(text)
     with pytest.raises(ValueError, match=message):
         report.read_run(folder)
-    full = lambda step: json.dumps(line(step, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]))
-    (tmp_path / "r-s0" / "metrics.jsonl").write_text(f'{full(1)}\n\n   \n{full(2)}\n{{"step": 3, "re')
+    (tmp_path / "r-s0" / "metrics.jsonl").write_text(f'{logged(1)}\n\n   \n{logged(2)}\n{{"step": 3, "re')
     assert [m["step"] for m in report.read_run(folder)[0]] == [1, 2]
 
 
