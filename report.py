@@ -372,8 +372,10 @@ def runs(args):
     """Check everything, read the runs, evaluate the final models at --robust-budgets; -> the report (markdown)."""
     if not args.folders:
         raise ValueError("no run folders given")
-    if len({os.path.abspath(f) for f in args.folders}) < len(args.folders):   # it would count as two seeds
-        raise ValueError(f"a run folder is given twice: {args.folders}")
+    names = [Path(os.path.abspath(f)).name for f in args.folders]
+    if twice := [f for f, name in zip(args.folders, names) if names.count(name) > 1]:   # it would count as two seeds
+        raise ValueError(f"the run folders {' and '.join(map(repr, twice))} share a name: each is one seed of a "
+                         "variant, named <variant>-s<seed>")
     cli.check_least(args, 1, ["robust_budgets"])
     device = pick_device(args.device)
     logs = [read_run(folder) for folder in args.folders]

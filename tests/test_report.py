@@ -157,7 +157,9 @@ def test_running_mean_and_variant_names():
     (["STEPLESS"], "STEPLESS/metrics.jsonl line 2 has no \"step\" \\(a whole number\\): not a train.py log"),
     # other JSON lines: was a KeyError traceback, after --robust-budgets had loaded and evaluated every final model
     (["LACKING", "--robust-budgets", "8"], "LACKING/eval.jsonl line 2 has no 'sparse': not a train.py log"),
-    (["TWICE"], "a run folder is given twice"),                        # it would count as a second seed
+    (["TWICE"], "the run folders '.*grpo-s0' and '.*grpo-s0/' share a name"),   # it would count as a second seed
+    # was one row "grpo" of 3 seeds: two seed-0 runs (here a toy's and, say, a GPU run's) averaged as if seeds
+    (["ELSEWHERE"], "the run folders '.*grpo-s0' and '.*ELSEWHERE/grpo-s0' share a name: each is one seed"),
 ])
 def test_bad_input_is_one_clear_line_before_any_model_is_loaded(runs, tmp_path, monkeypatch, extra, message):
     (tmp_path / "NOT-A-RUN").mkdir()
@@ -167,7 +169,9 @@ def test_bad_input_is_one_clear_line_before_any_model_is_loaded(runs, tmp_path, 
     write_run(tmp_path / "LACKING", [line(1, 100, 0, 0, 1, 1, (1, 0, 0), [1.0])], [(0, .5, .5)])
     (tmp_path / "LACKING" / "eval.jsonl").write_text('{"step": 0, "dense": 0.5, "sparse": 0.5}\n'
                                                      '{"step": 1, "dense": 0.6}\n')
-    extra = [runs[0] + "/" if e == "TWICE" else str(tmp_path / e) if e.isupper() else e for e in extra]
+    named = dict(TWICE=runs[0] + "/", ELSEWHERE=write_run(tmp_path / "ELSEWHERE" / "grpo-s0",
+                                                           [line(1, 100, 0, 0, 1, 1, (1, 0, 0), [1.0])], [(0, .5, .5)]))
+    extra = [named.get(e, str(tmp_path / e)) if e.isupper() else e for e in extra]
     monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit, match=message) as exit_info:
         report.main(["runs", *runs, *extra, "--out", str(tmp_path / "r")])
