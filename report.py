@@ -57,9 +57,9 @@ def parse_args(argv=None):
     g.add_argument("--cache-dir", default=CACHE_DIR, help="where a GGUF model is kept de-quantised")
     g.add_argument("--data", required=True, help="JSONL of {question, answer} or {prompt, answer}")
     g.add_argument("--limit", type=int, default=100, help="the first N examples of --data")
-    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-new-tokens", type=int, default=256, help="the longest answer")
     g.add_argument("--policies", nargs="+", default=["snapkv", "rkv", "h2o", "streaming"],
-                   choices=[p for p in POLICIES if p != "full"])
+                   choices=[p for p in POLICIES if p != "full"], help="a row per policy and budget")
     g.add_argument("--budgets", type=int, nargs="+", default=[64, 128], help="tokens kept per layer and KV head")
     g.add_argument("--interval", type=int, default=32, help="compress every N tokens once over budget")
     g.add_argument("--window", type=int, default=8, help="recent tokens always kept")
@@ -68,19 +68,20 @@ def parse_args(argv=None):
     g.add_argument("--adapter", metavar="FILE", help="a DistillSparse adapter.safetensors: the sparse rows sample "
                    "with theta + phi (the dense row and the dense side of alpha stay theta)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
-    g.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    g.add_argument("--dtype", default="float32", choices=list(DTYPES), help="precision of the weights")
     g = commands.add_parser("runs", help="compare train.py runs: accuracy, KV memory, rejection, time, tail, PODS")
     g.add_argument("folders", nargs="*", metavar="RUN_DIR", help="train.py --out folders named <variant>-s<seed>")
     g.add_argument("--out", required=True, metavar="PREFIX",
                    help="writes PREFIX.md and, with matplotlib, PREFIX_reward.png, PREFIX_accuracy.png, PREFIX_tail.png")
     g.add_argument("--robust-budgets", type=int, nargs="+", default=[], metavar="B",
                    help="also evaluate each final model greedily through the run's cache at budget B")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if torch sees a GPU")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto (the default): CUDA if torch sees a GPU")
     g = commands.add_parser("keeps", help="a picture: which positions of one toy rollout each policy keeps, step by step",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("--model", default="out/warmup", help="a toy model folder with its warmup.json (python train.py)")
     g.add_argument("--policies", nargs="+", default=["snapkv", "rkv", "h2o", "streaming", "random"],
-                   choices=[p for p in POLICIES if p not in ("full", "blocktopk")])
+                   choices=[p for p in POLICIES if p not in ("full", "blocktopk")], help="a panel per policy")
     g.add_argument("--budget", type=int, default=None, help="none: train.py's budget for the task")
     g.add_argument("--example", type=int, default=0, help="which held-out prompt longer than budget + interval")
     g.add_argument("--out", default="out/keeps.png", help="the PNG (needs matplotlib; without it, a warning)")

@@ -499,3 +499,18 @@ def test_a_damaged_args_json_is_one_line_naming_it(tmp_path, text, message):
     with pytest.raises(ValueError) as error:
         report.robust_plan(tmp_path / "sparse-s0", 3, [20])
     assert str(error.value) == message.format(path=ckpt / "args.json")
+
+
+@pytest.mark.parametrize("command, required", [("inference", ["--data", "q.jsonl"]), ("runs", ["--out", "r"]),
+                                               ("keeps", [])])
+def test_help_shows_the_value_each_flag_takes(command, required, capsys):
+    # STYLE: `--help` shows the value each flag will take. argparse prints a default only beside a help text, so
+    # inference's --max-new-tokens, --policies and --dtype, keeps' --policies and runs' --device showed none
+    defaults = {k: v for k, v in vars(report.parse_args([command, *required])).items() if v not in (None, [], command)}
+    with pytest.raises(SystemExit):
+        report.parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())                  # argparse wraps its lines anywhere
+    for name, value in defaults.items():
+        if f"--{name.replace('_', '-')}" in required:
+            continue
+        assert f"(default: {value})" in text or f"{value} (the default)" in text, name
