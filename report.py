@@ -351,10 +351,9 @@ def robust_plan(folder, final_step, budgets):
         if path is not None and not Path(path).is_file():
             raise ValueError(f"{folder!r} was trained on {path!r}, which is not there (its args.json)")
     try:
-        return ckpt, args, [SparseConfig(policy, b, args.interval, args.window, args.sink, page_size=args.page_size,
-                                         dense_layers=args.dense_layers) for b in budgets]
+        return ckpt, args, [train.sparse_config(args, policy, b) for b in budgets]   # as train.py's evaluations
     except ValueError as error:
-        raise ValueError(f"--robust-budgets {' '.join(map(str, budgets))} for {folder!r}: {error}") from None
+        raise ValueError(f"--robust-budgets for {folder!r}: {error}") from None
 
 
 def robust_accuracy(ckpt, args, configs, device):

@@ -193,6 +193,9 @@ def test_a_dense_trained_run_is_tested_under_its_snapkv_settings(tmp_path):
     assert configs == [SparseConfig("snapkv", 20, 4, 3, 2, **toy), SparseConfig("snapkv", 12, 4, 3, 2, **toy)]
     with pytest.raises(ValueError, match="step-000003, is not its final step 5"):
         report.robust_plan(tmp_path / "dense-s0", 5, [20])
+    with pytest.raises(ValueError, match="^--robust-budgets for .*dense-s0': the evaluation cache snapkv at budget 4: "
+                                         "budget=4 must be >= window \\+ sink = 3 \\+ 2$"):
+        report.robust_plan(str(tmp_path / "dense-s0"), 3, [20, 4])
 
 
 def test_a_run_whose_data_file_is_gone_is_named_before_any_model_is_loaded(tmp_path):
