@@ -383,6 +383,8 @@ def resume_point(args, out):
     said = lambda k: f"--{k.replace('_', '-')} {saved[k]!r} there, {getattr(args, k)!r} here"
     if refused := [said(k) for k in keys if k in RUN_KEYS or (args.steps and k not in RESUMABLE)]:
         free = f" (training on, a resume may change only {', '.join('--' + k.replace('_', '-') for k in RESUMABLE)})"
+        if "device" in keys and saved.get("model") == SMOLLM2:   # the flags refused may be none the user typed
+            free += f"; {SMOLLM2}'s defaults depend on --device (cli.preset): resume with --device {saved['device']}"
         raise ValueError(f"--resume: {ckpt} was made by another run ({'; '.join(refused)}); pass its settings"
                          f"{free if args.steps else ''}, or another --out")
     quiet = ("eval_policies", "eval_budgets") + (() if args.steps else TRAINING_ONLY)

@@ -377,11 +377,11 @@ def test_resume_survives_a_half_written_line_and_reads_state_with_weights_only(t
     assert (kept / "step-000003").is_dir() and (tmp_path / "previous-2" / "step-000001").is_dir()
 
 
-def saved_run(out, *argv):
+def saved_run(out, *argv, base=SMALL):
     """A checkpoint folder out/step-000002 as train.py writes it (args.json, config.json, trainer_state.pt), with no
     weights: enough for --resume's checks, which come before any model loads."""
     (out / "step-000002").mkdir(parents=True)
-    args = train.parse_args(SMALL + ["--out", str(out), "--steps", "2", *argv])
+    args = train.parse_args(base + ["--out", str(out), "--steps", "2", *argv])
     (out / "step-000002" / "args.json").write_text(json.dumps(vars(args)))
     (out / "step-000002" / "config.json").write_text("{}")
     torch.save(dict(step=2), out / "step-000002" / "trainer_state.pt")
@@ -417,6 +417,23 @@ def test_resume_may_change_how_long_how_often_where_and_the_lr_and_evaluate_unde
     args = train.parse_args(SMALL + ["--out", str(tmp_path), "--resume", "--steps", "0", "--seed", "1"])
     with pytest.raises(ValueError, match="--seed 0 there, 1 here\\); pass its settings, or another --out$"):
         cli.resume_point(args, tmp_path)
+
+
+def test_resume_on_another_device_names_the_preset_that_chose_the_refused_values(tmp_path):
+    """--model smollm2-135m --device cuda trains 16 x 8 rollouts (cli.GPU); resumed with --device cpu it would
+    take 2 x 4 (cli.ARITHMETIC): the refusal lists flags the user never typed, so it says where they came from."""
+    saved_run(tmp_path, base=["--model", "smollm2-135m", "--device", "cuda"])
+    here = train.parse_args(["--model", "smollm2-135m", "--device", "cpu", "--out", str(tmp_path), "--resume"])
+    with pytest.raises(ValueError, match="--prompts 16 there, 2 here.*; smollm2-135m's defaults depend on --device "
+                                         "\\(cli.preset\\): resume with --device cuda, or another --out$"):
+        cli.resume_point(here, tmp_path)
+    # a toy run has no such preset: no such sentence
+    saved_run(tmp_path / "toy")
+    toy = train.parse_args(SMALL + ["--out", str(tmp_path / "toy"), "--resume", "--steps", "4", "--group-size", "2"])
+    toy.device = "cuda"
+    with pytest.raises(ValueError, match="--group-size 4 there, 2 here") as refused:
+        cli.resume_point(toy, tmp_path / "toy")
+    assert "cli.preset" not in str(refused.value)
 
 
 def test_an_out_that_is_a_file_is_one_clear_line(tmp_path):
