@@ -314,7 +314,7 @@ class KVCache(Cache):
         # holes_after), whether the layers remember the query (remembering), block top-k's pages (top, top_k, plan_pages)
 
     def start_step(self, positions):
-        """Announce the next forward pass: positions [B, q] of its tokens (-1 for padding).
+        """Announce the next forward pass: positions [B, q] of its tokens (-1 for padding); the prompt, then q = 1.
 
         Decides on the host which rows compress at this step (`due`, `compress_args`), whether the layers remember
         the step's query (`remembering`) and, for block top-k, how many pages each row attends (`top`).
@@ -323,7 +323,9 @@ class KVCache(Cache):
         device; the prefill reads its rows' real-token counts once.
         """
         sparse, q = self.sparse, positions.shape[1]
-        self.step_pos, self.decoding = positions, bool(self.layers) and q == 1
+        if self.layers and q != 1:   # a prefill's rules (no compression, every head's slots alike) would not hold
+            raise ValueError(f"a step after the prefill feeds 1 token per row, got {q}")
+        self.step_pos, self.decoding = positions, bool(self.layers)
         real = 1 if self.decoding else (positions >= 0).sum(1).cpu()
         self.padded = not self.decoding and bool((real < q).any())
         self.row_tokens = self.row_tokens + real                       # [B] real tokens held per row

@@ -500,6 +500,20 @@ def test_a_step_past_max_new_tokens_is_refused_by_name(policy):
             cache.attend(0, q[:, :, cols], scaling=D ** -0.5)
 
 
+def test_a_multi_token_step_after_the_prefill_is_refused_by_name():
+    # the cache takes the prompt in one pass, then one token a row a step. A second multi-token pass was taken for a
+    # prefill: it never compressed (interval 1 attended 10 slots, budget 8) and restarted the ring of window queries
+    # with 2, whose 3 empty slots (position -1) saw no key and made the next SnapKV scores NaN
+    q, k, v, pos, P = random_steps(new_tokens=4)
+    cache = KVCache(SparseConfig("snapkv", budget=8, interval=1, window=5, sink=0), num_layers=1, max_new_tokens=4)
+    cache.start_step(pos[:, :P])
+    cache.update(k[:, :, :P], v[:, :, :P], 0)
+    cache.attend(0, q[:, :, :P], scaling=D ** -0.5)
+    with pytest.raises(ValueError, match="^a step after the prefill feeds 1 token per row, got 2$"):
+        cache.start_step(pos[:, P:P + 2])
+    assert cache.row_tokens.tolist() == list(LENGTHS)                   # refused before any bookkeeping
+
+
 def test_defaults_are_the_official_settings_and_the_smallest_budget_is_allowed():
     # docs/method.md section 2 (Sparse-RL: budget 512, interval 128, window 8, 4 sinks, lam 0.1, kernel 7) and
     # section 3 (Sparrow: 16-token pages, the first 2 layers dense)
