@@ -401,8 +401,9 @@ def test_under_bf16_autocast_the_scores_stay_fp32(monkeypatch, policy):
     assert out.stats["compressions"] >= 3 and len(same) >= 3 and all(same)
 
 
-def lowbias32(x):
-    """The "lowbias32" integer hash (multiply-xorshift, two rounds) on a Python int: 32 bits in, 32 out."""
+def mix32(x):
+    """Multiply-xorshift by 0x45d9f3b, two rounds, on a Python int: 32 bits in, 32 out (not "lowbias32", whose
+    rounds multiply by 0x7feb352d and 0x846ca68b)."""
     x &= 0xFFFFFFFF
     for _ in range(2):
         x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
@@ -411,7 +412,7 @@ def lowbias32(x):
 
 def test_random_policy_matches_a_loop_over_hashed_positions():
     # `random` scores the token at position p of KV head h in layer l of a row that has seen `context` tokens
-    # (this step's included) with lowbias32(lowbias32(lowbias32(seed * 1_000_003 + context + 65_537 * l) + h) + p),
+    # (this step's included) with mix32(mix32(mix32(seed * 1_000_003 + context + 65_537 * l) + h) + p),
     # and a compression keeps the window plus the best (budget - window) others. Re-done here one row, layer and
     # head at a time with Python ints: every layer, head and compression draws afresh, and a row's draw does not
     # depend on its batch-mates (mixed prompt lengths, so the rows fall due on different steps). 2 layers.
@@ -429,9 +430,9 @@ def test_random_policy_matches_a_loop_over_hashed_positions():
                     kept[h].append(context - 1)
                     if len(kept[h]) - sparse.budget >= sparse.interval:
                         window = [p for p in kept[h] if p > context - 1 - sparse.window]
-                        salt = lowbias32(seed * 1_000_003 + context + 65_537 * layer)
+                        salt = mix32(seed * 1_000_003 + context + 65_537 * layer)
                         others = sorted((p for p in kept[h] if p not in window),
-                                        key=lambda p: -lowbias32(lowbias32(salt + h) + p))
+                                        key=lambda p: -mix32(mix32(salt + h) + p))
                         kept[h] = sorted(others[: sparse.budget - len(window)] + window)
                 assert got[step][b] == kept, f"layer {layer}, row {b}, step {step}"
     assert cache.compressions > 3
