@@ -181,8 +181,9 @@ def page_plan(count, top, k, pos, page_size):
     same number of them; only their scores differ. Computed once a step (by the first sparse layer) rather than
     once a layer: an eager GPU step is bound by its kernel launches, and this part is most of `top_pages`'s.
     count [B, N]: tokens per page (`Layer.page_count`); top [B]: pages each row attends, the budget's best plus
-    the reserved (device); k (host): the ranks gathered, at least min(max(top), the pages pos spans); pos [B, H_kv, S]: the positions of the slots a step looks at,
-    -1 where none (the held slots of the eager cache, or static.py's whole buffer). -> PagePlan.
+    the reserved (device); k (host): the ranks gathered, at least min(max(top), the pages pos spans);
+    pos [B, H_kv, S]: the positions of the slots a step looks at, -1 where none (the held slots of the eager
+    cache, or static.py's whole buffer). -> PagePlan.
     """
     n = (pos.shape[-1] - 1) // page_size + 1                            # no position reaches page n yet
     count = count[:, :n]
