@@ -135,6 +135,7 @@ def test_rejection_mask_token_band_and_veto_by_hand():
     new_mask, stats = rejection_mask(rho.log(), mask)
     assert new_mask.tolist() == [[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
     assert stats == dict(vetoed=1, emptied=1, dropped_tokens=2 + 3 + 0 + 2, kept_tokens=4)
+    assert all(type(v) is int for v in stats.values()), stats   # tensors pass ==, then fail train.py's json.dumps
     assert mask.sum() == 11  # the input is not modified
     # the band is closed: rho (or the geometric mean) exactly on either edge stays; low = 0 keeps even e^-20
     for mode, (low, high, log_rho) in itertools.product(["token", "geometric"],
@@ -152,6 +153,7 @@ def test_rejection_mask_geometric_by_hand():
     new_mask, stats = rejection_mask(rho.log(), mask, low=0.95, high=1.05, mode="geometric")
     assert new_mask.tolist() == [[1, 1], [0, 0], [0, 0], [1, 0]]
     assert stats == dict(vetoed=1, emptied=1, dropped_tokens=4, kept_tokens=3)
+    assert all(type(v) is int for v in stats.values()), stats
 
 
 def test_importance_weights_by_hand():
