@@ -212,9 +212,8 @@ def rejection_mask(log_rho, mask, veto=1e-4, low=0.5, high=1.5, mode="token"):
       mode "geometric": a response whose geometric-mean ratio exp(mean_t log rho_t) lies
                      outside [low, high] keeps no token (use a narrow band, e.g. [0.99, 1.01]).
     The group stays: advantages come from all rewards, before rejection.
-    Returns (new mask [N, T], stats), stats a dict of Python ints (train.py writes it to metrics.jsonl):
-    vetoed (responses), emptied (other responses the band or the geometric test left with no token),
-    dropped_tokens (real tokens removed for any reason), kept_tokens.
+    Returns (new mask [N, T], stats: Python ints): vetoed (responses), emptied (other responses the band or
+    the geometric test left with no token), dropped_tokens (real tokens removed for any reason), kept_tokens.
     """
     check_shapes(log_rho=log_rho, mask=mask)
     check_band(low, high)
