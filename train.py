@@ -338,16 +338,19 @@ def main(argv=None):
     first_eval = run_eval(start) if start == 0 else None
     if evaluated and start not in kept:   # killed after its checkpoint at `start`, before its evaluation was written
         run_eval(start)
-    bar = tqdm(range(start + 1, args.steps + 1), desc="GRPO", dynamic_ncols=True)
+    # counted by hand, so that a step's numbers show beside its own count (an iterated bar still shows the step
+    # before while this one evaluates and saves)
+    bar = tqdm(total=args.steps - start, desc="GRPO", dynamic_ncols=True)
     history = []
-    for step in bar:
+    for step in range(start + 1, args.steps + 1):
         metrics = rl_step(model, ref_model, opt, tokenizer, step_examples(args, train, step), reward, sparse,
                           args, step, lora, lora_opt)
         history.append(metrics)
         with open(out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
         bar.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}",
-                        dropped=f"{metrics['dropped_tokens'] / max(metrics['tokens'], 1):.2f}")
+                        dropped=f"{metrics['dropped_tokens'] / max(metrics['tokens'], 1):.2f}", refresh=False)
+        bar.update()
         if step % args.eval_every == 0 and step != args.steps:
             tqdm.write(f"step {step}: eval {run_eval(step)}")
         if step % args.save_every == 0 or step == args.steps:
@@ -357,6 +360,7 @@ def main(argv=None):
                          budgets=list(sparse.schedule.budgets) if sparse.schedule else None,
                          lora_optimizer=lora_opt.state_dict() if lora else None)
             save_checkpoint(out, step, model, tokenizer, args, state, lora)
+    bar.close()
     final_eval = run_eval(args.steps)
     summary(out, first_eval, final_eval, history, sparse, time.time() - start_time)
     return model, final_eval

@@ -761,6 +761,21 @@ def test_the_summary_prints_the_numbers_of_its_history_by_hand(tmp_path, capsys)
     assert "training reward of the sparse rollouts: 0.180 over steps 11-25, 0.180 over the last 15" in lines
 
 
+def test_the_progress_bar_shows_each_steps_numbers_beside_its_own_count(tmp_path, warm, capsys):
+    # Was: set_postfix redrew the bar before its count moved on, so step 1's reward showed at "0/3", and step 2's at
+    # "1/3" all through step 2's evaluation (and a checkpoint, for a real model minutes). Every bar drawn with numbers
+    # must show, at count k, those of metrics.jsonl's step k.
+    _, _, lines = run_in(tmp_path, warm, "--steps", "3", "--eval-every", "2", "--save-every", "1")
+    drawn = re.findall(r"GRPO:.*? (\d+)/3 .*?acc=([\d.]+), dropped=([\d.]+), reward=([\d.]+)\]",
+                       capsys.readouterr().err)
+    assert drawn and {k for k, *_ in drawn} >= {"3"}
+    for k, acc, dropped, reward in drawn:
+        assert int(k) >= 1, f"a step's numbers drawn at count {k}: reward {reward}"
+        step = lines[int(k) - 1]
+        assert (acc, dropped, reward) == (f"{step['accuracy']:.2f}", f"{step['dropped_tokens'] / step['tokens']:.2f}",
+                                          f"{step['reward']:.2f}")
+
+
 def test_update_shuffles_its_minibatches_by_the_step_seed(warm, monkeypatch):
     # step_seed is the one source of a step's randomness, the learner's shuffle included: with minibatches of 4 of
     # the 16 rollouts, which rollouts share an AdamW step is a function of the seed rl_step hands `update`. The
