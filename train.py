@@ -406,8 +406,11 @@ def summary(out, first, last, history, sparse, seconds):
         peak, full, k = mean("peak_kv_bytes"), mean("dense_kv_bytes"), min(20, len(history))
         print(f"\npeak KV of the sparse rollouts: {peak / 1024:.0f} KiB per step, {peak / full:.1%} of a full cache "
               f"({full / 1024:.0f} KiB)")
-        print(f"the correction's rejection: {sum(m['vetoed'] for m in history)} responses vetoed, "
-              f"{mean('dropped_tokens') / max(mean('tokens'), 1):.1%} of response tokens dropped")
+        if "kept_tokens" in history[-1]:                              # rejection_mask's: --correction sparse-rl
+            print(f"the correction's rejection: {sum(m['vetoed'] for m in history)} responses vetoed, "
+                  f"{mean('dropped_tokens') / max(mean('tokens'), 1):.1%} of response tokens dropped")
+        else:                                                          # not "0 vetoed, 0.0% dropped": none tested
+            print("the correction's rejection: none (only --correction sparse-rl rejects)")
         first_k = (f"the first {k} steps" if history[0]["step"] == 1 else          # a resumed run's first steps
                    f"steps {history[0]['step']}-{history[k - 1]['step']}")
         print(f"training reward of the sparse rollouts: {mean('reward', history[:k]):.3f} over {first_k}, "

@@ -731,8 +731,9 @@ def test_the_summary_prints_the_numbers_of_its_history_by_hand(tmp_path, capsys)
     every number of its table and lines, worked out by hand in the comments."""
     T = S.THRESHOLD
     history = [dict(step=s, reward=s / 100, peak_kv_bytes=2048, dense_kv_bytes=8192, vetoed=int(s % 5 == 0),
-                    dropped_tokens=2 if s % 2 else 4, tokens=10, rho_mean=1 + (s - 13) / 1000, alpha_p05=0.7 + s / 250,
-                    bin_size=16, alpha_p05_by_bin=[0.9, None] if s <= 10 else [T, 0.95] if s <= 20 else [0.5, 0.9, 0.8])
+                    dropped_tokens=2 if s % 2 else 4, kept_tokens=8 if s % 2 else 6, tokens=10,
+                    rho_mean=1 + (s - 13) / 1000, alpha_p05=0.7 + s / 250, bin_size=16,
+                    alpha_p05_by_bin=[0.9, None] if s <= 10 else [T, 0.95] if s <= 20 else [0.5, 0.9, 0.8])
                for s in range(1, 26)]
     evals = [dict(step=0, dense=0.1, sparse=0.2), dict(step=25, dense=0.75, sparse=0.5)]
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
@@ -759,6 +760,13 @@ def test_the_summary_prints_the_numbers_of_its_history_by_hand(tmp_path, capsys)
     lines = capsys.readouterr().out.splitlines()
     assert "| before RL | 0.100 | 0.200 |" in lines
     assert "training reward of the sparse rollouts: 0.180 over steps 11-25, 0.180 over the last 15" in lines
+    # without rejection (--correction none or tis: rl_step's lines hold no kept_tokens), not "0 responses vetoed,
+    # 0.0% of response tokens dropped", which reads as a rejection that found nothing to drop
+    unrejected = [{k: v for k, v in m.items() if k != "kept_tokens"} | dict(vetoed=0, dropped_tokens=0)
+                  for m in history]
+    train.summary(tmp_path, None, evals[1], unrejected, sparse, 90.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert "the correction's rejection: none (only --correction sparse-rl rejects)" in lines
 
 
 def test_the_progress_bar_shows_each_steps_numbers_beside_its_own_count(tmp_path, warm, capsys):
