@@ -388,7 +388,9 @@ SHOTS = ("Question: Sam has 2 pens and buys 3 more. How many pens does Sam have 
 
 def make_arithmetic(n, seed, top=6, two_step=0.0):
     """`n` arithmetic word questions {"prompt": SHOTS + question, "answer": "<solution>\\n#### N"} (the form
-    `load_jsonl` reads), numbers 2..top, answers positive integers, a share `two_step` in two steps:
+    `load_jsonl` reads), numbers 2..top, answers positive integers. Each draw is a two-step question with
+    probability `two_step`; a draw whose answer is <= 0 is drawn again, so the share kept in two steps differs
+    (two_step=0.5, top 6: 0.545 expected, as a one-step question is redrawn more often, 20 % against 4 %):
 
         make_arithmetic(1, seed=0)[0]["prompt"][len(SHOTS):]
         'Question: Anna has 5 cookies and gives 4 to a friend. How many cookies does Anna have left?\\nAnswer:'
