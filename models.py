@@ -24,6 +24,7 @@ import importlib.util
 import json
 import os
 import re
+import secrets
 import shutil
 import sys
 import tempfile
@@ -236,7 +237,7 @@ def save_checkpoint(out, step, model, tokenizer, args, state, adapter=None):
     """<out>/step-NNNNNN, written atomically: the policy as a plain `save_pretrained` folder with its
     tokenizer, `state` in trainer_state.pt (tensors, numbers and lists only, so that torch.load reads it
     with weights_only=True), the run's args.json, and the DistillSparse adapter in adapter.safetensors.
-    Only the last two checkpoints are kept."""
+    Only the last two checkpoints are kept, and nothing that a killed save left."""
     def write(tmp):
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -247,6 +248,9 @@ def save_checkpoint(out, step, model, tokenizer, args, state, adapter=None):
     save_atomically(Path(out) / f"step-{step:06d}", write)
     for old in checkpoints(out)[:-2]:
         shutil.rmtree(old)
+    # what a save killed mid-write left (a whole checkpoint's size, which nothing reads): one run writes `out`
+    for left in [*Path(out).glob("step-*.tmp-*"), *Path(out).glob("step-*.old-*")]:
+        shutil.rmtree(left, ignore_errors=True)
 
 
 def checkpoints(out):
@@ -349,7 +353,10 @@ def save_atomically(folder, write):
     share it), and an existing `folder` is moved aside first, then removed."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{folder.name}.tmp-", dir=folder.parent))
+    # mkdir, not tempfile.mkdtemp: the folder takes the umask's mode, as any other would (mkdtemp's: 0700, its
+    # owner's alone, so a course's shared run folder was unreadable to the others)
+    tmp = folder.parent / f"{folder.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
     try:
         write(tmp)
     except BaseException:   # a failed write leaves nothing behind (a kill still may: nothing reads *.tmp-*)

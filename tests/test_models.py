@@ -2,7 +2,10 @@
 the errors of a model that is not there, the warm-up's prompts, teacher and labels (spied on). The toy warm-up
 is exercised end to end by every train.py test; the GGUF loader on the real SmolLM2 file in tests/test_real_model.py."""
 import argparse
+import os
 import re
+import stat
+import types
 from pathlib import Path
 
 import pytest
@@ -66,6 +69,30 @@ def test_save_atomically_replaces_an_existing_folder(tmp_path):
     with pytest.raises(OSError):                                      # a write that fails leaves nothing either
         models.save_atomically(tmp_path / "step-000005", lambda tmp: (tmp / "no" / "a.txt").write_text("x"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "step-000004.tmp-ab12"]
+
+
+def test_a_saved_folder_has_the_umask_mode_of_any_other(tmp_path):
+    # was 0700 (tempfile.mkdtemp's), whatever the umask: a run folder shared in a course was its owner's alone
+    umask = os.umask(0o022)
+    try:
+        models.save_atomically(tmp_path / "ckpt", lambda tmp: (tmp / "a.txt").write_text("x"))
+        (tmp_path / "plain").mkdir()
+    finally:
+        os.umask(umask)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)
+    assert mode(tmp_path / "ckpt") == mode(tmp_path / "plain") == 0o755
+
+
+def test_a_checkpoint_save_removes_what_a_killed_save_left(tmp_path):
+    # kill -9 during a save leaves step-N.tmp-* (the whole model's size) or, while the old folder is removed,
+    # step-N.old-*; nothing reads them, and the next save of the run removes them
+    for left in ("step-000004.tmp-123-ab12cd34", "step-000002.old-x1y2"):
+        (tmp_path / left / "sub").mkdir(parents=True)
+    saved = types.SimpleNamespace(save_pretrained=lambda folder: (folder / "config.json").write_text("{}"))
+    models.save_checkpoint(tmp_path, 6, saved, saved, argparse.Namespace(seed=0), {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000006"]
+    assert sorted(p.name for p in (tmp_path / "step-000006").iterdir()) == ["args.json", "config.json",
+                                                                             "trainer_state.pt"]
 
 
 def test_checkpoints_are_ordered_by_step_past_six_digits(tmp_path):
