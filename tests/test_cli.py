@@ -160,6 +160,10 @@ def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
     (["--budget", "0"], "--budget must be >= 1, got 0"),
     (["--bin-size", "0"], "--bin-size must be >= 1, got 0"),
     (["--eval-size", "0"], "--eval-size must be >= 1, got 0"),
+    # the toy task's flags beside --data: were ignored, silently (a numeric reward, whatever --reward said)
+    (["--model", "smollm2-135m", "--data", "d.jsonl", "--reward", "exact"], "^error: --reward exact: for the toy task "
+     "only; --data's answers are scored by tasks.numeric_reward \\(leave it out\\)$"),
+    (["--model", "m", "--data", "d.jsonl", "--task", "sort", "--reward", "exact"], "--task sort, --reward exact: for"),
 ])
 def test_each_bad_value_is_one_clear_line_before_training(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message) as exit_info:
