@@ -39,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, LlamaForCausalLM
 from transformers.cache_utils import Cache
 
-from policies import CHUNK, RESERVED_PAGES, SCORERS, Rows, before_window, keep_indices, page_plan, top_pages
+from policies import CHUNK, RESERVED_PAGES, SCORERS, Rows, keep_indices, page_plan, top_pages
 
 POLICIES = ("full", "streaming", "h2o", "snapkv", "rkv", "random", "blocktopk")
 DENSE = 2 ** 40  # a budget that never evicts: what a schedule means by "dense"
@@ -221,8 +221,9 @@ def compress(layer, sparse, rows, salt, count, n, scaling):
     due = Rows(layer.keys[rows], layer.pos[rows], None if acc is None else acc[rows],
                layer.queries[rows] if remembered else None, layer.query_pos[rows] if remembered else None,
                scaling, salt)
+    recent = due.pos > due.pos.amax(-1, keepdim=True) - sparse.window   # ~policies.before_window in 3 launches, not 7
     with torch.autocast(scores.device.type, enabled=False):   # fp32 scores: bf16 autocast would round them into ties
-        scored = SCORERS[sparse.policy](due, sparse).masked_fill(~before_window(due, sparse.window), float("inf"))
+        scored = SCORERS[sparse.policy](due, sparse).masked_fill(recent, float("inf"))
         scores[rows] = scored.masked_fill(due.pos < 0, float("-inf"))          # the window stays, padding and holes go
     layer.keep(*keep_indices(scores, count, n))
 
