@@ -304,3 +304,17 @@ def test_loading_refuses_another_models_adapter_and_a_damaged_file(tmp_path):
     path.write_bytes(path.read_bytes()[:100])                          # a truncated file
     with pytest.raises(ValueError, match="^cannot read .*adapter.safetensors: "):
         lora.load(path)
+
+
+def test_the_sparse_training_forward_reproduces_a_sampler_at_temperature_0_7():
+    # train.py --temperature 0.7 samples from softmax(logits / 0.7) and records those log-probs; the adapter's
+    # forward must score the tokens at that temperature too (with 1.0 in its place it gave log-probs 0.1+ off,
+    # and no test at the default temperature 1 could tell). Reference: the sampler's own recorded log-probs
+    model = tiny_model("llama")
+    lora = moved_adapter(model)
+    with lora.on():
+        out = generate(model, PROMPTS, CONFIGS["snapkv"], max_new_tokens=20, temperature=0.7, seed=3, record=True)
+        logp = distill.sparse_logprobs(model, out, temperature=0.7)
+        at_one = distill.sparse_logprobs(model, out, temperature=1.0)
+    assert (logp - out.logprobs).abs().max() < 1e-4
+    assert ((at_one - out.logprobs) * out.mask).abs().max() > 1e-2     # the temperature matters here
