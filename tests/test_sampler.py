@@ -336,3 +336,16 @@ def test_a_decode_step_never_waits_for_the_device(monkeypatch, sparse, record):
     out = generate(model, PROMPTS, sparse, max_new_tokens=30, temperature=1.0, top_p=0.9, record=record)
     assert reads.calls == 29 and reads.seen == []
     assert out.stats["compressions"] > 0 or sparse.policy in ("full", "blocktopk")
+
+
+def test_top_p_1_filters_nothing_even_where_the_float32_mass_reaches_1_early():
+    # top_p = 1 is no nucleus (Hugging Face adds no top-p warper then): every token of positive probability can be
+    # drawn. Here token 0 holds all but 6e-9 of the mass, so float32's cumsum reaches 1.0 at it; a nucleus built
+    # anyway (`top_p <= 1.0`) would drop tokens 1-3. With the noise of token 1 tiny, the exponential race by hand,
+    # argmax(p / noise), picks token 1; so does top_p 0.9999 fail to (the nucleus is token 0 alone there)
+    logp = torch.log_softmax(torch.tensor([[0.0, -20.0, -20.0, -20.0]]), -1)
+    assert logp.exp().cumsum(-1)[0, 0] == 1.0                          # the premise: the mass reaches 1 at token 0
+    noise = torch.tensor([[1.0, 1e-12, 1.0, 1.0]])
+    assert (logp.exp() / noise).argmax(-1).item() == 1                 # the race, unfiltered
+    assert sample_token(logp, 1.0, 1.0, noise).item() == 1
+    assert sample_token(logp, 1.0, 0.9999, noise).item() == 0
