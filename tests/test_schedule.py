@@ -396,6 +396,31 @@ def test_controller_leaves_a_bin_whose_tail_equals_the_threshold_alone():
     assert c.budgets == (20, 47, 64)
 
 
+def test_controller_leaves_a_bin_with_fewer_than_min_tokens_alone_though_its_tail_fails():
+    """min_tokens=2, threshold 0.75, band 0.125, bins of 32, interval 1, budgets (24, 40, 64); one row at contexts
+    5, 6, 40, 41, 64: bins 0 and 1 hold two tokens at alpha 1, bin 2 one token at 0.5. By hand: bin 2 is too thin
+    to read, so nothing fails; bins 0 and 1 sit above threshold + band and are lowered by 8 (bin 0 floored at 20):
+    (20, 32, 64). Counting the thin bin as failing would raise the latest compressing bin it saw (bin 1: 40 -> 60)
+    and keep bins 0 and 1 from being lowered: (24, 60, 64)."""
+    c = Controller(threshold=0.75, bin_size=32, bins=3, start=24, low=20, high=100, step=8, up=1.5, band=0.125,
+                   min_tokens=2)
+    c.schedule = piecewise([0, 32, 64], (24, 40, 64))
+    c.update(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.5]]), torch.tensor([[5, 6, 40, 41, 64]]))
+    assert c.budgets == (20, 32, 64)
+
+
+@pytest.mark.parametrize("interval, budgets", [(1, (36, 36)), (4, (24, 24))])
+def test_controller_blames_by_its_own_interval(interval, budgets):
+    """Budget 24, one row sampled at contexts 20-26 (its prompt keeps 20 tokens), every alpha 0.5 < 0.75: bin 0
+    fails. By hand, at interval 1 the row holds 25 = 24 + 1 at context 25 and compresses, so bin 0 is to blame:
+    24 * 1.5 = 36. At interval 4 it would compress once it held 28, and it holds at most 26: no bin compressed,
+    eviction is not the cause, nothing moves (and a failing bin is not lowered)."""
+    c = Controller(threshold=0.75, bin_size=32, bins=2, start=24, low=20, high=100, step=8, up=1.5, band=0.125,
+                   min_tokens=2, interval=interval)
+    c.update(torch.full((1, 7), 0.5), torch.arange(20, 27)[None])
+    assert c.budgets == budgets
+
+
 def test_calibrate_raises_the_earliest_blamed_bin_first(monkeypatch):
     # `simulated_streaming` (bins of 4, contexts 4-19, each token needs the one D(c) back, alpha 0.86 if kept,
     # else 0.5), with D = 6 at c = 9 (bin 2) and 8 at c = 12 (bin 3).
