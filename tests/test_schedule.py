@@ -153,6 +153,24 @@ def test_calibrate_on_a_simulated_streaming_cache_by_hand(monkeypatch):
     assert schedule == piecewise([0, 4, 8, 12, 16], [2, 4, 16, 16, 16])
 
 
+def test_calibrate_keeps_every_bin_that_some_candidate_reached(monkeypatch):
+    """Candidates end their responses at different lengths (EOS comes when it comes). A stand-in for `measure`,
+    every alpha 1.0: at constant budget 2 the response is sampled at contexts 4-7 (bins of 4: bins 0-1), at 4 and
+    under a schedule at 4-11 (bins 0-2). By hand: three bins, bin 2 reached only at 4; bin 2 holds at 2, where it
+    has no token (nan: holds with anything), so the schedule is 2 everywhere, and under it every bin holds. Each
+    row names its bin [i * 4, (i + 1) * 4), the printed table's 0-3, 4-7, 8-11."""
+    def fake_measure(model, prompts, sparse, max_new_tokens, **sampling):
+        contexts = range(4, 8) if sparse.schedule is None and sparse.budget == 2 else range(4, 12)
+        return torch.ones(1, len(contexts), dtype=torch.float64), torch.tensor([list(contexts)])
+
+    monkeypatch.setattr(S, "measure", fake_measure)
+    sparse = SparseConfig("streaming", budget=2, interval=1, window=1, sink=0)
+    schedule, rows = calibrate(None, None, candidates=[2, 4], bin_size=4, sparse=sparse)
+    assert schedule == piecewise([0, 4, 8], [2, 2, 2])
+    assert [r["bins"] for r in rows] == [(0, 4), (4, 8), (8, 12)] and [r["tokens"] for r in rows] == [0, 4, 4]
+    assert [["nan" if t != t else t for t in r["profile"]] for r in rows] == [["nan", "nan"], [1.0, 1.0], ["nan", 1.0]]
+
+
 def test_calibrate_for_block_topk_blames_the_failing_bin_itself(monkeypatch):
     # Block top-k, pages of 16, interval 128, bins of 128, contexts 0-255. A stand-in for `measure`: bin 0 always
     # holds; bin 1 holds if its budget is >= 256, or >= 192 while bin 0's is >= 160 (earlier sparse steps shape
@@ -457,6 +475,8 @@ def test_token_contexts_and_scaled_schedules():
     assert piecewise([0, 100], [4, 60]).scaled(0.1) == piecewise([0, 10], [1, 6])  # 0.4 tokens: kept at 1
     assert piecewise([0, 10], [7, 9]).scaled(1.7) == piecewise([0, 17], [12, 15])  # 11.9 and 15.3: the nearest
     assert piecewise([0, 2], [8, 2 ** 40]).scaled(4) == piecewise([0, 8], [32, 2 ** 40])   # dense stays dense
+    # bin starts are rounded too, not cut: 3 * 1.9 = 5.7 starts at 6 (int would give 5); 7.6 and 17.1 -> 8, 17
+    assert piecewise([0, 3], [4, 9]).scaled(1.9) == piecewise([0, 6], [8, 17])
 
 
 def test_bins_for_covers_every_context_a_response_token_is_sampled_at_and_no_more():
@@ -492,6 +512,10 @@ def test_cost_matches_a_hand_computation():
     assert cost(CONFIG, 100, budget=100, page_size=4) == cost(CONFIG, 100, None, page_size=4)
     # a budget between whole pages attends its whole pages only (22 // 4 = 5, as KVCache.start_step): 32 tokens
     assert cost(CONFIG, 100, budget=22, page_size=4) == cost(CONFIG, 100, budget=20, page_size=4)
+    # at 30 tokens the budget's 5 pages + 3 reserved would be 32 tokens: a layer reads only the 30 there are,
+    # and scores ceil(30 / 4) = 8 mean keys
+    c = cost(CONFIG, context=30, budget=20, page_size=4, bytes_per=2, intensity=10)
+    assert c["flops"] == 2 * 1232 + 4 * 2 * 4 * (30 + 30) + 2 * 2 * 1 * 4 * 8    # 4512
 
 
 def test_cost_of_more_dense_layers_than_layers_and_the_bytes_of_two_paged_layers():
