@@ -149,7 +149,8 @@ def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk
         if len(ids) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
         if None in ids:
-            raise ValueError(f"prompt {i} holds {prompt[ids.index(None)]!r:.40}: token ids are integers, no bools")
+            bad = prompt[ids.index(None)]
+            raise ValueError(f"prompt {i} holds {bad!r:.40}: token ids are integers (no bool, float or text)")
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): min {min(ids)}, max {max(ids)}")
     count = lambda n: isinstance(n, int) and not isinstance(n, bool) and n >= 1   # True would be a count of 1

@@ -218,7 +218,7 @@ def test_bfloat16_runs_close_to_float32():
     ([[1, 99]], {}, "token ids outside \\[0, 64\\)"),
     ([[1, 64]], {}, "token ids outside \\[0, 64\\): min 1, max 64"),      # the vocabulary's first id past its end
     ([[0, -1]], {}, "token ids outside \\[0, 64\\): min -1, max 0"),
-    ([[True, 2]], {}, "^prompt 0 holds True: token ids are integers, no bools$"),        # was: token 1
+    ([[True, 2]], {}, "^prompt 0 holds True: token ids are integers \\(no bool, float or text\\)$"),        # was: token 1
     ([[1, 2], [1.7, 2]], {}, "^prompt 1 holds 1.7: token ids are integers"),       # was: cut to 1, silently
     ([[1, "2"]], {}, "^prompt 0 holds '2': token ids are integers"),                 # was: a TypeError from min()
     ([1, 5, 7], {}, "^prompt 0 is 1, no list of token ids \\(one prompt: \\[\\[1, 5, 7\\]\\]\\)$"),   # was: a TypeError
