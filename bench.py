@@ -33,11 +33,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import correction as C
 import kvcache
 from cli import check_least, check_out_file, check_values, markdown
+from cost import cost, kv_bytes, shape
 from kvcache import SparseConfig
 from models import load_pretrained
 from report import pyplot
 from sampler import clock, generate
-from schedule import cost
 
 FULL = dict(layers=8, hidden=512, heads=8, kv_heads=2, ffn=1536, vocab=8192, batch=8, prompt=256, new=2048,
             long_new=4096, budget=256, interval=128, repeats=3, long_repeats=1, contexts=(512, 1024, 2048, 4096),
@@ -231,14 +231,19 @@ def scaling(long, s):
     return table
 
 
+def hf_config(s):
+    """The Hugging Face config fields of shape `s`, as `cost.shape` reads them (head_dim None: hidden / heads)."""
+    return {field: s[ours] for ours, field in HF_FIELDS.items()} | dict(head_dim=s.get("head_dim"))
+
+
 def head_dim(s):
     """The width of one attention head: a pretrained model's own (Qwen3-0.6B: 128, not its hidden / heads = 64)."""
-    return s.get("head_dim") or s["hidden"] // s["heads"]
+    return shape(hf_config(s))[3]
 
 
 def kv_formula(s, tokens, bytes_per_value=4):
-    """Section 2: 2 (K and V) * layers * kv_heads * head_dim * tokens * bytes * batch."""
-    return 2 * s["layers"] * s["kv_heads"] * head_dim(s) * tokens * bytes_per_value * s["batch"]
+    """Section 2 (`cost.kv_bytes`): 2 (K and V) * layers * kv_heads * head_dim * tokens * bytes * batch."""
+    return kv_bytes(hf_config(s), tokens, s["batch"], bytes_per_value)
 
 
 def overheads(model, ids, results, s, repeats=50):
@@ -280,11 +285,11 @@ def overheads(model, ids, results, s, repeats=50):
 def limit(s, dense, repeats=5):
     """Section 5: measured mm FLOP/s and copy bandwidth, and our dense decode's share of each.
 
-    FLOPs and bytes are the cost model's (`schedule.cost`, section 6), summed over the rollout: 2 FLOPs per
+    FLOPs and bytes are the cost model's (`cost.cost`, section 6), summed over the rollout: 2 FLOPs per
     multiply-add of the matrix products only (every linear layer's weights, the output layer included, and q.k and
     p.v over the context); norms, rotary, softmax and sampling are not counted. Bytes: every pass (the prefill,
     then each decode step) reads all linear weights once and the whole KV cache once, in fp32."""
-    n, B, config = s["mm"], s["batch"], {field: s[ours] for ours, field in HF_FIELDS.items()} | dict(head_dim=head_dim(s))
+    n, B, config = s["mm"], s["batch"], hf_config(s)
     a, b = torch.randn(n, n), torch.randn(n, n)
     fed = s["prompt"] + s["new"] - 1                       # every token but the last passes the model once
     flops = sum(cost(config, c, batch=B)["flops"] for c in range(1, fed + 1))   # token by token: causal attention

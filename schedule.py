@@ -9,7 +9,7 @@ What is notable here:
   asks at every decode step; `None` in a bin means dense.
 - `calibrate` is Sparrow's offline profiling; `Controller` is the online variant (ours, not in the paper):
   per-bin budgets nudged after every rollout batch from the acceptance the trainer already measures: no extra pass.
-- `cost` / `speedup`: the per-step cost model of section 6 (after Kinetics) for any HF config.
+- `--speedup` prices a schedule with cost.py's per-step cost model (section 6, after Kinetics) on Qwen3 shapes.
 
     python train.py --steps 0 && python schedule.py --calibrate   # on out/warmup (train.py's); writes out/schedule.json
     python schedule.py --speedup results/schedule.json --context 32768     # Qwen3-1.7B/4B/8B
@@ -28,6 +28,7 @@ import distill
 import tasks
 from cli import check_dense_layers, check_evicts, check_least, check_out_file, check_values, markdown
 from correction import acceptance, dense_logprobs  # alpha = sum_v min(p_a, p_b) (section 4)
+from cost import QWEN3, SPARROW_SPEEDUP, speedup
 from kvcache import DENSE, POLICIES, SparseConfig
 from models import DTYPES, autocast, load_pretrained, pick_device, toy_settings, write_text_atomically
 from policies import attended_pages
@@ -319,66 +320,6 @@ class Controller:
                 budgets[i] = max(self.low, budgets[i] - self.step)
         self.schedule = piecewise(self.bins, list(accumulate(budgets, max)))   # running max: non-decreasing
         return self.schedule
-
-
-# ----------------------------------------------------------------------------- the cost model
-
-# Public config.json of Qwen/Qwen3-1.7B, Qwen/Qwen3-4B and Qwen/Qwen3-8B on the Hugging Face hub.
-QWEN3 = {
-    "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "Qwen3-4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
-}
-SPARROW_SPEEDUP = {"Qwen3-1.7B": 2.2, "Qwen3-4B": 2.4, "Qwen3-8B": 2.0}   # reported at threshold 0.86
-H100_INTENSITY = 989e12 / 3.35e12   # bf16 dense FLOP/s per byte/s of HBM: ~295 FLOPs a byte is worth
-
-
-def shape(config):
-    """(layers, heads, kv_heads, head_dim, matmul parameters) of an HF config or a dict of its fields."""
-    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
-    h, L, n, n_kv = get("hidden_size"), get("num_hidden_layers"), get("num_attention_heads"), get("num_key_value_heads")
-    n_kv, d = n_kv or n, get("head_dim") or h // n
-    # q and o: h * n * d each; k and v: h * n_kv * d each; gated MLP: 3 * h * intermediate; lm head: V * h
-    params = L * (2 * h * n * d + 2 * h * n_kv * d + 3 * h * get("intermediate_size")) + get("vocab_size") * h
-    return L, n, n_kv, d, params
-
-
-def cost(config, context, budget=None, batch=1, page_size=None, dense_layers=0, bytes_per=2, intensity=H100_INTENSITY):
-    """One decode step's cost for `batch` rows at `context` tokens (section 6, after Kinetics).
-
-    A sparse layer reads kv_len = min(context, budget) tokens (page_size given: blocktopk, which attends budget //
-    page_size pages plus the first and 2 newest, and scores context / page_size mean keys per KV head first);
-    the first `dense_layers` and any budget >= context (or None) read everything.
-    Returns dict(flops, bytes, cost) with cost = flops + intensity * bytes (effective FLOPs).
-    """
-    L, n, n_kv, d, P = shape(config)
-    sparse = 0 if budget is None or budget >= context else L - min(dense_layers, L)   # the layers that read less
-    kv = context
-    if sparse:   # eviction: the budget; blocktopk: the budget's pages and the reserved ones
-        kv = min(context, attended_pages(budget, page_size) * page_size if page_size else budget)
-    read = (L - sparse) * context + sparse * kv                       # kv_len summed over the layers
-    flops = batch * (2 * P + 4 * n * d * read)                        # per row: 2 * P for the weights, QK and PV
-    data = bytes_per * (P + batch * 2 * n_kv * d * read)              # the weights once a step, each row's K and V
-    if page_size and sparse:
-        pages = -(-context // page_size)
-        flops += batch * sparse * 2 * n_kv * d * pages                # group-mean query . mean key
-        # the mean keys are read, priced at `bytes_per` like the keys; our KVCache keeps them as fp32 page sums,
-        # twice these bytes in bf16 (bench_gpu.kv_read_bytes counts ours)
-        data += bytes_per * batch * sparse * n_kv * d * pages
-    return dict(flops=flops, bytes=data, cost=flops + intensity * data)
-
-
-def speedup(config, schedule, context, prompt=0, stride=64, **kwargs):
-    """Predicted rollout speedup over dense: summed dense cost / summed sparse cost of the decode
-    steps from `prompt` to `context` tokens (every `stride`-th step), the budget from `schedule`."""
-    steps = range(prompt + 1, context + 1, stride)
-    if not steps:
-        raise ValueError(f"no decode step from prompt {prompt} to context {context}: context must exceed prompt")
-    total = lambda budget: sum(cost(config, c, budget(c), **kwargs)["cost"] for c in steps)
-    return total(lambda c: None) / total(schedule)           # DENSE (2**40) >= any context: cost reads it all
 
 
 # ----------------------------------------------------------------------------- command line

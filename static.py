@@ -54,6 +54,7 @@ from unittest.mock import patch
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cost import QWEN3, kv_bytes
 from kvcache import DENSE, POLICIES, KVCache, SparseConfig, attention
 from policies import attended_pages, page_plan, top_pages
 
@@ -224,8 +225,7 @@ SHAPES = {  # layers, hidden, heads, kv heads, ffn, vocab
                   intermediate_size=1536, vocab_size=8192),
     "layers28": dict(num_hidden_layers=28, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=128, vocab_size=512),   # 1.7B's depth at toy width: the ops of its step
-    "qwen3-1.7b": dict(num_hidden_layers=28, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8,
-                       intermediate_size=6144, vocab_size=151936, head_dim=128),
+    "qwen3-1.7b": QWEN3["Qwen3-1.7B"],   # head_dim 128, tied embeddings
 }
 
 
@@ -379,7 +379,7 @@ def check_cache_fits(config, batch, prompt, new, configs, dtype, device):
     dim x batch x slots, read from the model's `config` (its head_dim as Hugging Face sets it, the one attention
     uses). Found now, not as an allocator's traceback (or minutes of swapping) once a model is built."""
     slots, policy = max((KVCache(sparse, 1, new).capacity(prompt), policy) for policy, sparse in configs.items())
-    need = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * batch * slots * dtype.itemsize
+    need = kv_bytes(config, slots, batch, dtype.itemsize)
     has = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else
            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else float("inf"))
     if need > has:

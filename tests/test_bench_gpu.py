@@ -222,7 +222,7 @@ def test_kv_read_bytes_of_the_1_7b_shape_by_hand():
     # Pins kv_read_bytes, the bytes behind table 1's and table 4's "of the bandwidth bound" (the README's GPU table):
     # 28 layers, 8 KV heads of 2048 / 16 = 128, batch 64, bf16: one layer's K and V of one token, every row, is
     # 2 x 8 x 128 x 2 bytes x 64 = 262144 bytes (256 KiB)
-    s = dict(layers=28, hidden=2048, heads=16, kv_heads=8, batch=64, budget=512, interval=128)
+    s = dict(layers=28, hidden=2048, heads=16, kv_heads=8, ffn=6144, vocab=151936, batch=64, budget=512, interval=128)
     assert (SparseConfig.page_size, SparseConfig.dense_layers, policies.RESERVED_PAGES) == (16, 2, 3)
     # dense at context 1024: 28 x 256 KiB x 1024 = 7 GiB
     assert bench_gpu.kv_read_bytes(s, "full", 1024, 64) == 7 * 2**30

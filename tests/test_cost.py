@@ -1,0 +1,82 @@
+"""cost.py: the cost model of one decode step (docs/method.md section 6) and the KV bytes (section 2).
+
+Each test compares with an independent computation: a hand calculation, a brute-force sum, published parameter
+counts, or the bytes a real Hugging Face cache holds."""
+import pytest
+import torch
+from transformers import DynamicCache
+
+from cost import QWEN3, cost, kv_bytes, shape, speedup
+from kvcache import CACHE_ARG
+from reference import tiny_model
+from schedule import constant, piecewise
+
+CONFIG = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=4, vocab_size=10)
+
+
+def test_cost_matches_a_hand_computation():
+    # P = 2 layers * (q, o: 2 * 8 * 2 * 4 + k, v: 2 * 8 * 1 * 4 + MLP 3 * 8 * 16) + lm head 10 * 8 = 1232
+    c = cost(CONFIG, context=100, budget=20, batch=3, bytes_per=2, intensity=10)
+    assert c["flops"] == 3 * (2 * 1232 + 2 * 4 * 2 * 4 * 20)            # 11232
+    assert c["bytes"] == 2 * (1232 + 3 * 2 * (2 * 1 * 4 * 20))          # 4384
+    assert c["cost"] == 11232 + 10 * 4384
+    # blocktopk, pages of 4, first layer dense: layer 0 reads 100, layer 1 reads 20 + 3 pages = 32,
+    # and scores 25 mean keys: 2 * kv_heads * head_dim FLOPs and kv_heads * head_dim values each
+    b = cost(CONFIG, context=100, budget=20, batch=3, page_size=4, dense_layers=1, bytes_per=2, intensity=10)
+    assert b["flops"] == 3 * (2 * 1232 + 4 * 2 * 4 * (100 + 32)) + 3 * 2 * 4 * 25
+    assert b["bytes"] == 2 * (1232 + 3 * 2 * 4 * (100 + 32)) + 2 * 3 * 4 * 25
+    # 102 tokens fill 26 pages, the last one partly, all 26 scored; a budget that covers the context is dense
+    c = cost(CONFIG, context=102, budget=20, page_size=4, bytes_per=2, intensity=10)
+    assert c["flops"] == 2 * 1232 + 2 * 4 * 2 * 4 * 32 + 2 * 2 * 1 * 4 * 26
+    assert cost(CONFIG, 100, budget=100, page_size=4) == cost(CONFIG, 100, None, page_size=4)
+    # a budget between whole pages attends its whole pages only (22 // 4 = 5, as KVCache.start_step): 32 tokens
+    assert cost(CONFIG, 100, budget=22, page_size=4) == cost(CONFIG, 100, budget=20, page_size=4)
+    # at 30 tokens the budget's 5 pages + 3 reserved would be 32 tokens: a layer reads only the 30 there are,
+    # and scores ceil(30 / 4) = 8 mean keys
+    c = cost(CONFIG, context=30, budget=20, page_size=4, bytes_per=2, intensity=10)
+    assert c["flops"] == 2 * 1232 + 4 * 2 * 4 * (30 + 30) + 2 * 2 * 1 * 4 * 8    # 4512
+
+
+def test_cost_of_more_dense_layers_than_layers_and_the_bytes_of_two_paged_layers():
+    # Pins cost's `sparse` count: dense_layers past L leaves every layer dense (L - dense_layers < 0 would count
+    # minus three sparse layers), and the mean keys' bytes are read by each sparse layer (not once per step).
+    assert cost(CONFIG, 100, budget=20, page_size=4, dense_layers=5) == cost(CONFIG, 100, None)
+    # 102 tokens, both layers paged: each reads (5 + 3) pages of 4 = 32 tokens and 26 mean keys (kv_heads 1, dim 4)
+    c = cost(CONFIG, context=102, budget=20, page_size=4, bytes_per=2, intensity=10)
+    assert c["bytes"] == 2 * (1232 + 2 * 1 * 4 * (32 + 32)) + 2 * 2 * 1 * 4 * 26   # 3904
+
+
+def test_shape_counts_the_matmul_parameters_of_qwen3_and_fills_missing_fields():
+    # keras-hub's presets give Qwen3-1.7B 1,720,574,976 parameters and Qwen3-4B 4,022,468,096 (tied embeddings: the
+    # lm head is the embedding). Less the RMSNorm weights (per layer two of hidden size and the q and k norms of
+    # head_dim, plus a final one), the rest are matmul weights. Qwen3-4B's head_dim, 128, is not hidden / heads = 80.
+    for name, total in (("Qwen3-1.7B", 1_720_574_976), ("Qwen3-4B", 4_022_468_096)):
+        c = QWEN3[name]
+        norms = c["num_hidden_layers"] * (2 * c["hidden_size"] + 2 * c["head_dim"]) + c["hidden_size"]
+        assert shape(c) == (c["num_hidden_layers"], c["num_attention_heads"], 8, 128, total - norms)
+    # no kv-head count: multi-head attention; no head_dim: hidden / heads; q, k, v, o: 4 * 8 * 2 * 4, MLP 3 * 8 * 16
+    assert shape(dict(CONFIG, num_key_value_heads=None, head_dim=None)) == (2, 2, 2, 4, 2 * (256 + 384) + 80)
+
+
+def test_speedup_of_a_full_budget_is_one_and_a_small_budget_saves():
+    assert speedup(CONFIG, constant(10 ** 6), 4096, batch=8) == 1.0
+    assert speedup(CONFIG, piecewise([0], [None]), 4096, batch=8) == 1.0
+    brute = sum(cost(CONFIG, c, None, batch=8)["cost"] for c in range(1, 4097)) / \
+        sum(cost(CONFIG, c, min(c, 256) if c > 256 else None, batch=8)["cost"] for c in range(1, 4097))
+    assert speedup(CONFIG, constant(256), 4096, batch=8, stride=1) == pytest.approx(brute)
+    assert brute > 1.5
+    with pytest.raises(ValueError, match="^no decode step from prompt 20 to context 10: context must exceed prompt$"):
+        speedup(CONFIG, constant(8), 10, prompt=20)                   # was a ZeroDivisionError
+
+
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3", dict(head_dim=32))])
+def test_kv_bytes_are_what_a_hugging_face_cache_holds(arch, overrides):
+    # Qwen3's head_dim (32 here) is not hidden / heads (64 / 4 = 16): the formula must read the config's own.
+    model = tiny_model(arch, **overrides)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.randint(1, 64, (3, 11)), **{CACHE_ARG: cache}, use_cache=True)   # `cache`: transformers >= 5.24
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert kv_bytes(model.config, tokens=11, batch=3, bytes_per=4) == held
+    assert kv_bytes(dict(model.config.to_dict()), 11, 3, 4) == held        # a dict of the fields reads the same
