@@ -218,6 +218,7 @@ def test_a_run_whose_data_file_is_gone_is_named_before_any_model_is_loaded(tmp_p
                                     "\\(4\\), so none is compressed at its prefill: give a smaller --budget$"),
 ])
 def test_inference_and_keeps_refuse_bad_flags_before_loading(tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)                     # --out's default folder, out/, is made before some refusals
     (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4], seed=0)))
     (tmp_path / "q.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
     monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
@@ -251,6 +252,7 @@ def test_a_huge_limit_or_budget_passes_the_checks(tmp_path, monkeypatch):
     ('{"task": "pick", "digits": [3, 4]}', "holds no toy run's settings: a JSON object with task, digits, seed$"),
 ])
 def test_keeps_names_a_warmup_json_that_holds_no_warm_up(tmp_path, monkeypatch, text, message):
+    monkeypatch.chdir(tmp_path)                     # --out's default folder, out/, is made before some refusals
     (tmp_path / "warmup.json").write_text(text)                       # each was a traceback or an unnamed JSON error
     monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit, match=message):
@@ -258,6 +260,7 @@ def test_keeps_names_a_warmup_json_that_holds_no_warm_up(tmp_path, monkeypatch, 
 
 
 def test_keeps_without_a_warm_up_names_the_folder_and_the_one_to_pass(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                     # --out's default folder, out/, is made before some refusals
     monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
     (tmp_path / "args.json").write_text('{"task": "pick", "digits": [3, 6], "seed": 0}')   # a run's: no warm-up
     with pytest.raises(SystemExit, match=f"^error: --model '{tmp_path}' holds no warmup.json: give the folder of a "

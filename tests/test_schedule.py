@@ -632,8 +632,9 @@ def test_calibration_refuses_candidates_that_never_evict_before_sampling(tmp_pat
                                                              "got 1048577"),       # 10**11 ran for days
     (["--adapter", ""], "--adapter is empty: give a value, or leave the flag out"),     # was: silently no adapter
 ])
-def test_the_command_line_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, argv, message):
+def test_the_command_line_refuses_bad_settings_before_loading_a_model(tmp_path, monkeypatch, capsys, argv, message):
     # the folder holds a warm-up's warmup.json and no weights: a check that came after loading would fail there
+    monkeypatch.chdir(tmp_path)                        # --out's default folder, out/, is made before some refusals
     (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4])))
     with pytest.raises(SystemExit):
         S.main((["--calibrate"] if "--speedup" not in argv else []) + ["--model", str(tmp_path)] + argv)
