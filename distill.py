@@ -95,12 +95,12 @@ class LoRA(nn.Module):
 
     @contextmanager
     def on(self):
-        """The sparse sampler: theta + phi for the duration of a block."""
-        self.active = True
+        """The sparse sampler: theta + phi for the duration of a block (a nested block leaves it on)."""
+        outer, self.active = self.active, True      # restore, not switch off: an inner block ends inside an outer
         try:
             yield self
         finally:
-            self.active = False
+            self.active = outer
 
     def tensors(self):
         """{"A.<layer>": A, "B.<layer>": B}: what a file holds."""

@@ -318,3 +318,20 @@ def test_the_sparse_training_forward_reproduces_a_sampler_at_temperature_0_7():
         at_one = distill.sparse_logprobs(model, out, temperature=1.0)
     assert (logp - out.logprobs).abs().max() < 1e-4
     assert ((at_one - out.logprobs) * out.mask).abs().max() > 1e-2     # the temperature matters here
+
+
+def test_a_nested_on_block_leaves_the_adapter_on_for_the_outer_block():
+    # an inner `with lora.on()` (a helper that samples with the adapter, called inside an adapted block) used to
+    # switch the adapter off at its end, so the rest of the outer block ran theta alone. Reference: k_proj by hand,
+    # W x + (alpha / rank) B A x
+    model = tiny_model("llama")
+    lora = moved_adapter(model)
+    layer, key = model.model.layers[0].self_attn.k_proj, "layers/0/self_attn/k_proj"
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    adapted = x @ layer.weight.T + 16 / 4 * (x @ lora.A[key].T) @ lora.B[key].T
+    with torch.no_grad():
+        with lora.on():
+            with lora.on():
+                assert torch.allclose(layer(x), adapted, atol=1e-5)
+            assert torch.allclose(layer(x), adapted, atol=1e-5)                  # still theta + phi
+        assert torch.equal(layer(x), x @ layer.weight.T) and not lora.active      # off after the outer block
