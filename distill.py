@@ -109,7 +109,7 @@ class LoRA(nn.Module):
     def save(self, path):
         """A and B as safetensors, alpha in the file's metadata: the same alpha / rank comes back."""
         save_file({k: p.detach().contiguous() for k, p in self.tensors().items()}, str(path),
-                  metadata={"alpha": repr(self.alpha)})
+                  metadata={"alpha": repr(float(self.alpha))})   # float: repr(np.float64(16.0)) reads back as no number
 
     @staticmethod
     def read(path):

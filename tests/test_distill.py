@@ -4,6 +4,7 @@ import copy
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -318,6 +319,17 @@ def test_the_sparse_training_forward_reproduces_a_sampler_at_temperature_0_7():
         at_one = distill.sparse_logprobs(model, out, temperature=1.0)
     assert (logp - out.logprobs).abs().max() < 1e-4
     assert ((at_one - out.logprobs) * out.mask).abs().max() > 1e-2     # the temperature matters here
+
+
+def test_an_adapter_saved_with_a_numpy_alpha_reads_back(tmp_path):
+    # alpha from a numpy sweep passes the check (np.float64 is a float), but its repr, 'np.float64(16.0)', was written
+    # to the file's metadata, and reading it back failed: float() of that text is no number
+    model = tiny_model("llama")
+    lora = moved_adapter(model, alpha=np.float64(16.0))
+    lora.save(tmp_path / "adapter.safetensors")
+    again = distill.LoRA.from_file(tiny_model("llama"), tmp_path / "adapter.safetensors")
+    assert again.alpha == 16.0 and again.scaling == 4.0
+    distill.LoRA(tiny_model("llama"), 4).load(tmp_path / "adapter.safetensors")      # alpha 16 (int) agrees
 
 
 def test_a_nested_on_block_leaves_the_adapter_on_for_the_outer_block():
