@@ -37,6 +37,7 @@ import json
 import random
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
@@ -278,7 +279,13 @@ def _plain(text):
 
 
 def extract_answer(completion):
-    """The final answer of a completion as a float, or None when it has none.
+    """The final answer of a completion as a float, or None when it has none (`final_number`, rounded)."""
+    number = final_number(completion)
+    return None if number is None else float(number)
+
+
+def final_number(completion):
+    """The final answer of a completion as an exact Fraction, or None when it has none.
 
     Only the last marker counts: "#### N" (the rest of its line) or "\\boxed{N}" (braces balanced),
     read after `_plain` drops LaTeX and markdown around the number; commas group thousands
@@ -294,19 +301,19 @@ def extract_answer(completion):
     number = _LEADING_NUMBER.match(_plain(text)) if text is not None else None
     if not number:
         return None
-    sign = -1.0 if number.group(1) or number.group(2) else 1.0         # a minus before or after the "$"
-    return sign * float(number.group(3).replace(",", ""))
+    sign = -1 if number.group(1) or number.group(2) else 1             # a minus before or after the "$"
+    return sign * Fraction(number.group(3).replace(",", ""))
 
 
 def numeric_reward(completion, answer):
     """1.0 if the completion's final answer equals the number `answer`, else 0.0.
 
-    Compared as numbers ("2.50" == "2.5", "-3" == "-3.0"), exactly: both sides are parsed from decimal text,
-    which gives the same float for the same number, so no tolerance is needed and none forgives a near miss
-    (1000000001 is not 1000000000). `answer`: text ("1,080") or a number.
+    Compared as numbers ("2.50" == "2.5", "-3" == "-3.0"), exactly: both sides are parsed from decimal text into
+    Fractions, so no tolerance is needed and none forgives a near miss (1000000001 is not 1000000000, nor is
+    10000000000000001 10000000000000000, which are the same float). `answer`: text ("1,080") or a number.
     """
-    predicted = extract_answer(completion)
-    return float(predicted is not None and predicted == float(str(answer).replace(",", "")))
+    predicted = final_number(completion)
+    return float(predicted is not None and predicted == Fraction(str(answer).replace(",", "")))
 
 
 def load_jsonl(path):

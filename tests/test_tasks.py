@@ -283,6 +283,9 @@ def test_encode_target_is_the_answer_then_eos():
     ("#### −18", "-18", 1.0),                                 # Unicode's minus as a sign
     ("\\boxed{−18}", "-18", 1.0),
     ("#### 1000000000", "1000000001", 0.0),                   # no tolerance: a near miss is a miss
+    ("#### 10000000000000001", "10000000000000000", 0.0),     # even where both are the same float (was 1.0)
+    ("#### 0.1000000000000000001", "0.1", 0.0),
+    ("#### 10,000,000,000,000,001", 10000000000000001, 1.0),
     ("#### 0", "0.0000005", 0.0),
     ("#### 5", 5, 1.0),                                       # the answer as a number
 ])
