@@ -116,7 +116,7 @@ class Task:
     make: Callable
     reward: Callable = exact_match
     teacher: Callable = None
-    lengths: tuple = (12, 20)   # sort, reverse: long enough that a 24-token cache must evict digits
+    lengths: tuple = (12, 20)   # sort, reverse: long enough that a 24-token cache evicts (TOY_TASKS: 13+ digits)
     longest: Callable = lambda digits: digits   # the longest prompt body with this many digits, in characters
 
 
@@ -137,11 +137,13 @@ def get_task(name):
 
 # The RL settings of a toy run (train.py / cli.py when no --model), and schedule.py's defaults for a warm-up's
 # task. Interval 4, window 4, sink 2, and per task:
-# pick: prompts of 12-27 tokens, answers of 4-7 (with eos), so 12 tokens compressed every 4 evict from the
-#   prompt at the first decode step; 100 warm-up steps leave the model right on about 40 % of the prompts (it
-#   copies its teacher's habit of stopping one digit early), and dense GRPO at lr 1e-5 fixes most of that
+# pick: prompts of 12-27 tokens, answers of 4-7 (with eos), so 12 tokens compressed every 4 (once 16 are held) evict
+#   from a prompt of 15+ tokens at the first decode step, from a shorter one later, and never from a 12-token one
+#   answered right (12 + 4 - 1 = 15 held at most); 100 warm-up steps leave the model right on about 40 % of the
+#   prompts (it copies its teacher's habit of stopping one digit early), and dense GRPO at lr 1e-5 fixes most of that
 #   (0.39 -> 0.95 after 100 steps, 0.98 after 200, over 3 seeds: README "Results").
-# sort, reverse: prompts of 15-23 tokens, answers of 13-21, so 24 tokens evict on every rollout. From the
+# sort, reverse: prompts of 15-23 tokens, answers of 13-21, so 24 tokens (compressed once 28 are held) evict on
+#   every rollout but a right answer to 12 digits, which holds 15 + 13 - 1 = 27 tokens at most. From the
 #   400-step warm-up (0.977 dense), Sparse-RL at lr 1e-5 holds its accuracy (0.973 after 200 steps).
 # bin_size: the length bins of the per-step tail metrics and the controller (Sparrow: 2048 for 32K-token answers).
 # page_size, dense_layers: block top-k on the 2-layer toy attends densely in layer 0 and to pages of 4 in layer 1
