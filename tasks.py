@@ -281,13 +281,7 @@ def _plain(text):
 
 
 def extract_answer(completion):
-    """The final answer of a completion as a float, or None when it has none (`final_number`, rounded)."""
-    number = final_number(completion)
-    return None if number is None else float(number)
-
-
-def final_number(completion):
-    """The final answer of a completion as an exact Fraction, or None when it has none.
+    """The final answer of a completion as an exact Fraction (== 2.5 for "2.50"), or None when it has none.
 
     Only the last marker counts: "#### N" (the rest of its line) or "\\boxed{N}" (braces balanced),
     read after `_plain` drops LaTeX and markdown around the number; commas group thousands
@@ -314,7 +308,7 @@ def numeric_reward(completion, answer):
     Fractions, so no tolerance is needed and none forgives a near miss (1000000001 is not 1000000000, nor is
     10000000000000001 10000000000000000, which are the same float). `answer`: text ("1,080") or a number.
     """
-    predicted = final_number(completion)
+    predicted = extract_answer(completion)
     return float(predicted is not None and predicted == Fraction(str(answer).replace(",", "")))
 
 
