@@ -170,7 +170,7 @@ class PagePlan(NamedTuple):
     #                                   (an integer divisor keeps the scores in the product's dtype: bf16 under autocast)
     bias: torch.Tensor     # [B, 1, n]  added to page scores: -inf for a page with no token yet, +inf for the
     #                                   reserved pages (the first: the sinks; the 2 newest: the local window)
-    chosen: torch.Tensor   # [B, 1, k]  bool, the ranks a row attends: its first min(top, pages it has)
+    chosen: torch.Tensor   # [B, 1, min(k, n)]  bool, the ranks a row attends: its first min(top, pages it has)
     offset: torch.Tensor   # [B, 1, 1, page_size]  the slots of page 0's tokens (left padding + 0 .. page_size-1)
 
 

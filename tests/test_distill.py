@@ -174,6 +174,15 @@ def test_the_distillation_loss_by_hand():
     assert loss.item() == pytest.approx(1 / 3 + 1e-3 * kl, rel=1e-6) and stats["kl"] == pytest.approx(kl, rel=1e-5)
 
 
+@pytest.mark.parametrize("lam", [-1.0, float("nan")])
+def test_a_negative_or_nan_lambda_is_named_as_lam(lam):
+    from sampler import Rollouts
+    rollouts = Rollouts([[1]], torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2), torch.zeros(1, 2),
+                        torch.zeros(1, 2, 1), torch.zeros(1, 2, 1))
+    with pytest.raises(ValueError, match=f"^lam, the KL term's weight, must be >= 0, got {lam}$"):   # was: kl_coef
+        distill.distill_loss(torch.zeros(1, 2), rollouts, torch.zeros(1, 2), torch.ones(1), lam=lam)
+
+
 def test_the_adapters_ppo_term_is_on_policy_whatever_the_sampler_recorded():
     # Sparrow's old policy is the sparse forward's own log-probs, detached: ratio 1, gradient -A / tokens on
     # every real token, however far the log-probs the sampler recorded (before theta's step) lie from them
