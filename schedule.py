@@ -287,6 +287,11 @@ class Controller:
 
     def __init__(self, threshold=THRESHOLD, bin_size=16, bins=8, start=64, low=16, high=HIGH,
                  step=8, up=1.5, band=0.03, min_tokens=20, q=0.05, interval=1, page_size=None):
+        # whole tokens: a step of 2.5 made budgets of 21.5, refused by the first update's Schedule, naming no
+        # setting; interval >= 1, as the cache's (at 0 the replay blamed bins whose rows only reached their budget)
+        for name, value in dict(bins=bins, start=start, low=low, high=high, step=step, interval=interval).items():
+            if not isinstance(value, int) or isinstance(value, bool) or (name in ("bins", "interval") and value < 1):
+                raise ValueError(f"{name} must be an integer{' >= 1' * (name in ('bins', 'interval'))}, got {value!r}")
         if not 1 <= low <= start <= high:
             raise ValueError(f"need 1 <= low <= start <= high, got {low}, {start}, {high}")
         if not (up > 1 and step >= 0 and band >= 0):

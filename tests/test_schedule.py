@@ -509,6 +509,14 @@ def test_bins_for_covers_every_context_a_response_token_is_sampled_at_and_no_mor
     (lambda: Controller(bin_size=16.0), "bin_size must be a positive integer, got 16.0"),
     (lambda: Controller(up=1.0), "need up > 1, step >= 0 and band >= 0, got 1.0, 8, 0.03"),
     (lambda: Controller(step=-8), "need up > 1, step >= 0 and band >= 0, got 1.5, -8, 0.03"),
+    # refused when made, naming the setting: a fractional step or low failed at the first update (Schedule's
+    # "budgets must be positive integers"), interval 0 blamed bins where the cache compresses nothing
+    (lambda: Controller(step=2.5), "^step must be an integer, got 2.5$"),
+    (lambda: Controller(low=2.5, start=6), "^low must be an integer, got 2.5$"),
+    (lambda: Controller(start=64.0), "^start must be an integer, got 64.0$"),
+    (lambda: Controller(bins=2.5), "^bins must be an integer >= 1, got 2.5$"),
+    (lambda: Controller(bins=0), "^bins must be an integer >= 1, got 0$"),
+    (lambda: Controller(interval=0), "^interval must be an integer >= 1, got 0$"),
 ])
 def test_bad_input_is_a_clear_error(make, message):
     with pytest.raises(ValueError, match=message):
