@@ -28,7 +28,7 @@ import distill
 import tasks
 from cli import check_dense_layers, check_evicts, check_least, check_out_file, check_values, markdown
 from correction import acceptance, dense_logprobs  # alpha = sum_v min(p_a, p_b) (section 4)
-from cost import QWEN3, SPARROW_SPEEDUP, speedup
+from cost import QWEN3, speedup_table
 from kvcache import DENSE, POLICIES, SparseConfig
 from models import DTYPES, autocast, load_pretrained, pick_device, toy_settings, write_text_atomically
 from policies import attended_pages
@@ -464,12 +464,7 @@ def print_speedup(args, schedule):
     if len(bins) > 1 and factor > 1:   # a constant budget has no length to stretch; shrunk, bins would merge
         schedules.append((f"the same stretched x{factor:.0f} to {args.context} tokens", schedule.scaled(factor)))
     schedules += [(f"constant budget {b} (for scale)", constant(b)) for b in (8192, 4096, 2048)]
-    rows = [[label, *(f"{speedup(c, x, args.context, batch=args.batch, **pages):.2f}x" for c in QWEN3.values())]
-            for label, x in schedules]
-    rows.append(["Sparrow reported (block top-k, threshold 0.86)", *(f"{SPARROW_SPEEDUP[n]}x" for n in QWEN3)])
-    print(f"Predicted rollout speedup over dense ({args.policy}, {args.context} tokens decoded at batch "
-          f"{args.batch}; cost model of docs/method.md section 6 with H100 bf16 balance)\n\n"
-          + markdown(["schedule", *QWEN3], rows))
+    print(speedup_table(schedules, args.context, args.batch, args.policy, **pages))
 
 
 def main(argv=None):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import cost
 import distill
 import models
 import schedule as S
@@ -691,7 +692,7 @@ def test_speedup_for_block_topk_prices_sparrows_pages_unless_flags_say_otherwise
     # --dense-layers 0 kept (an `or` default would turn it into 2); another policy prices no pages at all.
     piecewise([0, 16], [8, 12]).save(tmp_path / "s.json")
     calls = []
-    monkeypatch.setattr(S, "speedup", lambda *a, **k: calls.append(k) or 1.0)
+    monkeypatch.setattr(cost, "speedup", lambda *a, **k: calls.append(k) or 1.0)   # what cost.speedup_table calls
     S.main(["--speedup", str(tmp_path / "s.json"), "--policy", "blocktopk", *argv])
     assert calls and all(k == dict(batch=64, **pages) for k in calls)
     calls.clear()
