@@ -34,6 +34,10 @@ DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}                      # the GPU image's python3 holds torch; a plain `python` may not exist there
 OUT=${OUT:-out/gpu-check}
 CALL=${CALL:-575}                      # seconds this call may take in all (the device call: timeout_s 600)
+# Refused here, before anything runs: any other DEVICE (cuda:0) ran the CPU's toy sizes on the GPU, and a CALL
+# that is no number of seconds (480s) made every stage's time left an error: nothing ran, and the call exited 0.
+[[ $DEVICE = cuda || $DEVICE = cpu ]] || { echo "DEVICE='$DEVICE': cuda (the default) or cpu" >&2; exit 2; }
+[[ $CALL =~ ^[0-9]+$ ]] || { echo "CALL='$CALL': the call's seconds, a whole number (575 by default)" >&2; exit 2; }
 WORK=$(mktemp -d)                      # the training runs' folders: not returned
 trap 'rm -rf "$WORK"' EXIT
 export PYTHONUNBUFFERED=1              # a stage cut off at its limit keeps what it printed

@@ -149,6 +149,15 @@ def test_an_unknown_step_is_refused_before_anything_runs(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("env, message", [
+    (dict(device="cuda:0"), "DEVICE='cuda:0': cuda (the default) or cpu"),          # was: the CPU's toy sizes, on a GPU
+    (dict(CALL="480s"), "CALL='480s': the call's seconds, a whole number"),          # was: nothing run, and exit 0
+])
+def test_a_device_or_call_the_script_cannot_use_is_refused_before_anything_runs(tmp_path, env, message):
+    done, out = run(tmp_path, "tests", **env)
+    assert done.returncode == 2 and message in done.stderr and not out.exists()
+
+
 def test_a_stage_at_its_limit_gets_sigint_so_the_bench_can_write_its_json(tmp_path):
     # Pins stage's signal: at its limit a command gets SIGINT (KeyboardInterrupt: bench_gpu.main then writes its
     # targets and JSON, tests/test_bench_gpu.py), not timeout's default SIGTERM, which kills Python silently.
