@@ -2,6 +2,7 @@
 written, its cells agree with the formulas by hand, and a run cut short keeps what it measured. No timed
 assertions; the GPU itself runs it through gpu_check.sh (tests/test_gpu_check.py)."""
 import json
+import types
 
 import pytest
 import torch
@@ -400,3 +401,21 @@ def test_table_1_ratio_columns_and_table_3_logits_formula(gpu_quick):
     row = cells[("ours full", "32+128")]
     assert row[4:7] == [bench.ratio(speed["ours full long_new"], speed["HF generate long_new"]), "-", "1.00x"]
     assert "\n| 4 | n/a | 0.25 MiB | " in text.split("### 3.")[1]
+
+
+def test_table_3_times_a_warm_rescoring(monkeypatch, tmp_path):
+    # Pins table 3's untimed first run: a micro-batch's first re-scoring pays first use (kernels chosen, the
+    # allocator's pool grown), which every training step after the first does not. A fake clock: a micro-batch's
+    # first call takes 100 s, each later one 1 s; the table must say 1.00
+    now, calls = [0.0], []
+
+    def rescoring(model, rollouts, batch_size, topk):
+        calls.append(batch_size)
+        now[0] += 100.0 if calls.count(batch_size) == 1 else 1.0
+    monkeypatch.setattr(bench_gpu, "dense_logprobs", rescoring)
+    monkeypatch.setattr(bench, "clock", lambda device: now[0])
+    s, record = dict(bench_gpu.TINY, stop_at=float("inf")), dict(rescore={}, errors={}, device=torch.device("cpu"))
+    model = types.SimpleNamespace(device=torch.device("cpu"))
+    bench_gpu.table_3(model, s, bench_gpu.Report(tmp_path / "t.md"), record)
+    assert calls == [4, 4, 2, 2] and {b: r["seconds"] for b, r in record["rescore"].items()} == {4: 1.0, 2: 1.0}
+    assert "\n| 4 | n/a | 0.25 MiB | 1.00 |" in (tmp_path / "t.md").read_text()
