@@ -333,6 +333,45 @@ def test_ops_per_step_spreads_one_compression_over_its_interval(monkeypatch, cap
     assert ops_per_step(model, prompts, sparse, captured) == period / 4
 
 
+def test_profile_counts_each_kernels_time_once(monkeypatch, capsys):
+    """--profile's device kernels a step: the profiler gives a kernel's time a row of its own and again in the row
+    of the op that launched it (as CUDA's profile does: aten::mm's Self CUDA = its kernels'). By hand, 4 steps: a
+    6 ms matrix product and a 2 ms copy, 8 ms over 4 steps = 2.0 ms a step (every row summed: 4.0), 4 launches."""
+    import sampler
+    import static
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    def rollout(*args, **kwargs):
+        return type("R", (), dict(stats=dict(seconds=0.04)))()
+    def rows():   # one after another on the host's clock (the profiler nests an op in one that spans it)
+        events = []
+        for i, (op, kernel, us) in enumerate([("aten::mm", "nvjet_mm", 6000), ("aten::copy_", "Memcpy HtoD", 2000)]):
+            cpu = FunctionEvent(i, op, 0, 10_000 * i, 10_000 * i + us, use_device="cuda", stack=[])
+            cpu.append_kernel(kernel, 0, us)
+            events += [cpu, FunctionEvent(10 + i, kernel, 0, 10_000 * i, 10_000 * i + us, use_device="cuda",
+                                          stack=[], device_type=DeviceType.CUDA)]
+        return events + [FunctionEvent(20 + i, "cudaLaunchKernel", 0, 30_000 + 10 * i, 30_005 + 10 * i,
+                                       use_device="cuda", stack=[]) for i in range(4)]
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+        __enter__ = lambda self: self
+        __exit__ = lambda self, *exc: None
+
+        def key_averages(self):
+            events = EventList(rows(), use_device="cuda")
+            events._build_tree()     # as the profiler does: the ops' parents and children, from their times
+            return events.key_averages()
+    monkeypatch.setattr(sampler, "generate", rollout)
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    model = type("M", (), dict(device=torch.device("cpu")))()
+    static.profile(model, [[1, 2]], SparseConfig("full"), 4)
+    out = capsys.readouterr().out
+    assert "full, eager: 10.0 ms a step under the profiler, device kernels 2.0 ms a step, 1 launches a step" in out
+
+
 def test_split_mean_parts_the_mean_step_by_hand():
     # steady steps 10, 12, 11, 30 (median 11.5), compressions 50 and 20: (50 - 11.5 + 20 - 11.5) / 6 = 7.83...,
     # the steady steps' excess (-1.5 + 0.5 - 0.5 + 18.5) / 6 = 2.83...; 11.5 + 7.83 + 2.83 = 22.17 = the mean
