@@ -13,6 +13,7 @@ import torch
 
 import sampler
 import schedule
+import static
 import test_policies
 import train
 from correction import dense_logprobs
@@ -97,10 +98,14 @@ def test_no_eager_decode_step_synchronises_cuda(monkeypatch, policy, record):
     assert out.stats["compressions"] > 0 or policy in ("full", "blocktopk")
 
 
+@pytest.mark.parametrize("span", [128, 3], ids=["one-graph", "several-graphs"])
 @pytest.mark.parametrize("policy", ["full"] + EVICTING + ["blocktopk"])
-def test_captured_graph_equals_eager_in_fp32(monkeypatch, policy):
+def test_captured_graph_equals_eager_in_fp32(monkeypatch, policy, span):
     # static.capture: the CUDA graph's replays give the eager path's greedy tokens, and its seeded samples
-    # (the same noise is drawn in both paths), on ragged prompts; the graph is really replayed
+    # (the same noise is drawn in both paths), on ragged prompts; the graph is really replayed. At static.SPAN's
+    # 128 these buffers (9 + 30 slots, or 8 + 3 evicting) take one graph a rollout; at 3, a dense rollout switches
+    # between 13 graphs in one memory pool and an evicting one between its spans of 9 and 11 slots
+    monkeypatch.setattr(static, "SPAN", span)
     replays = []
     if DEVICE.type == "cuda":
         replay = torch.cuda.CUDAGraph.replay
