@@ -245,7 +245,8 @@ def profile(model, prompts, sparse, steps):
         # launched a kernel holds its time again (all rows summed: ~twice the kernels, 22.5 ms a step for 10.9)
         kernels = sum(e.self_device_time_total for e in events
                       if e.device_type != DeviceType.CPU and not e.is_user_annotation) / 1e3 / steps
-        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaGraphLaunch")) / steps
+        # cudaLaunchKernel, and the driver's cuLaunchKernel(Ex) that libraries such as cuBLAS may call instead
+        launches = sum(e.count for e in events if "LaunchKernel" in e.key or e.key == "cudaGraphLaunch") / steps
         print(f"\n{sparse.policy}, {'captured' if captured else 'eager'}: {1e3 * out.stats['seconds'] / steps:.1f} ms a "
               f"step under the profiler, device kernels {kernels:.1f} ms a step, {launches:.0f} launches a step")
         print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=12))

@@ -336,7 +336,8 @@ def test_ops_per_step_spreads_one_compression_over_its_interval(monkeypatch, cap
 def test_profile_counts_each_kernels_time_once(monkeypatch, capsys):
     """--profile's device kernels a step: the profiler gives a kernel's time a row of its own and again in the row
     of the op that launched it (as CUDA's profile does: aten::mm's Self CUDA = its kernels'). By hand, 4 steps: a
-    6 ms matrix product and a 2 ms copy, 8 ms over 4 steps = 2.0 ms a step (every row summed: 4.0), 4 launches."""
+    6 ms matrix product and a 2 ms copy, 8 ms over 4 steps = 2.0 ms a step (every row summed: 4.0), and 8 launches,
+    2 a step: 4 by the runtime's cudaLaunchKernel, 3 by the driver's cuLaunchKernelEx (cuBLAS may call it), a graph."""
     import sampler
     import static
     from torch.autograd import DeviceType
@@ -351,8 +352,9 @@ def test_profile_counts_each_kernels_time_once(monkeypatch, capsys):
             cpu.append_kernel(kernel, 0, us)
             events += [cpu, FunctionEvent(10 + i, kernel, 0, 10_000 * i, 10_000 * i + us, use_device="cuda",
                                           stack=[], device_type=DeviceType.CUDA)]
-        return events + [FunctionEvent(20 + i, "cudaLaunchKernel", 0, 30_000 + 10 * i, 30_005 + 10 * i,
-                                       use_device="cuda", stack=[]) for i in range(4)]
+        launch = ["cudaLaunchKernel"] * 4 + ["cuLaunchKernelEx"] * 3 + ["cudaGraphLaunch"]   # as CUDA names them
+        return events + [FunctionEvent(20 + i, name, 0, 30_000 + 10 * i, 30_005 + 10 * i, use_device="cuda",
+                                       stack=[]) for i, name in enumerate(launch)]
 
     class Profile:
         def __init__(self, activities):
@@ -369,7 +371,7 @@ def test_profile_counts_each_kernels_time_once(monkeypatch, capsys):
     model = type("M", (), dict(device=torch.device("cpu")))()
     static.profile(model, [[1, 2]], SparseConfig("full"), 4)
     out = capsys.readouterr().out
-    assert "full, eager: 10.0 ms a step under the profiler, device kernels 2.0 ms a step, 1 launches a step" in out
+    assert "full, eager: 10.0 ms a step under the profiler, device kernels 2.0 ms a step, 2 launches a step" in out
 
 
 def test_split_mean_parts_the_mean_step_by_hand():
