@@ -8,7 +8,7 @@ intensity being what a byte of memory traffic is worth in FLOPs on the card (H10
 What is notable here:
 - `shape` reads the head width as Hugging Face does: a config's own `head_dim` (Qwen3: 128) before
   hidden / heads; every KV-size formula in the repository goes through it, and `kv_bytes` (bench.py's
-  memory check, static.py's "does the cache fit") is section 2's `2 x layers x kv_heads x head_dim x tokens`.
+  memory check, bench_static.py's "does the cache fit") is section 2's `2 x layers x kv_heads x head_dim x tokens`.
 - `cost` / `speedup`: section 6's per-step cost, and a schedule's predicted rollout speedup over dense;
   `speedup_table` is the table that `python schedule.py --speedup FILE.json` prints for Qwen3-1.7B/4B/8B.
 

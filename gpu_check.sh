@@ -101,7 +101,7 @@ bench() {   # tables 1-4 and the targets; no row begun in the last 80 s of its l
 
 steps() {   # each eager decode step of five policies timed, in what is left of the call: cut short, it reports the
     # rollouts that finished, so dense first (the baseline), then the widest gaps over it on the H100 (H2O, SnapKV)
-    stage step_times.txt 150 "$PY" static.py "${TIMES[@]}" --rounds 1 --policies full,h2o,snapkv,streaming,rkv \
+    stage step_times.txt 150 "$PY" bench_static.py "${TIMES[@]}" --rounds 1 --policies full,h2o,snapkv,streaming,rkv \
         --step-times
 }
 

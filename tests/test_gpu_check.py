@@ -14,9 +14,8 @@ import pytest
 
 import bench
 import bench_gpu
+import bench_static
 import cli
-import models
-import static
 from kvcache import SparseConfig
 
 SCRIPT = Path(__file__).resolve().parent.parent / "gpu_check.sh"
@@ -116,7 +115,7 @@ def test_the_gpu_commands_are_what_each_script_accepts(tmp_path, monkeypatch):
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [call.split("\x1f")[:-1] for call in (tmp_path / "seen").read_text().split("\x1e")[:-1]]
     scripts = [next((a for a in line if a.endswith((".py", "pytest"))), line[0]) for line in lines]
-    assert scripts == ["-c", "-c", "pytest", "bench.py", "train.py", "train.py", "static.py"]
+    assert scripts == ["-c", "-c", "pytest", "bench.py", "train.py", "train.py", "bench_static.py"]
     assert lines[0] == ["-c", "import xdist"] and lines[2][:4] == ["-m", "pytest", "-n", "4"]   # the stub has it
     lines = lines[1:]
 
@@ -134,12 +133,12 @@ def test_the_gpu_commands_are_what_each_script_accepts(tmp_path, monkeypatch):
         args = cli.parse_args(line[1:])
         assert (args.device, args.steps, args.warmup_steps, args.policy) == ("cuda", 200, 100, "snapkv")
     assert cli.parse_args(lines[4][1:]).dtype == "bfloat16"
-    monkeypatch.setattr(models, "pick_device", parsed)          # static.main parses, then asks for the device
+    monkeypatch.setattr(bench_static, "pick_device", parsed)    # its main parses, then asks for the device
     with pytest.raises(Parsed):
-        static.main(lines[5][1:])
+        bench_static.main(lines[5][1:])
     args = dict(zip(lines[5][1::2], lines[5][2::2]))
     assert args["--shape"] == "qwen3-1.7b" and "--step-times" in lines[5]
-    for policy in ["full", "streaming", "snapkv", "rkv", "h2o"]:   # what static.main checks after the device
+    for policy in ["full", "streaming", "snapkv", "rkv", "h2o"]:   # what bench_static.main checks after the device
         SparseConfig(policy, budget=int(args["--budget"]), interval=int(args["--interval"]))
 
 

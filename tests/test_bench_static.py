@@ -1,0 +1,343 @@
+"""bench_static.py: the op counter, ops a step, every step's time and its split, the profile's sums and the command
+line's checks, against hand counts, a fake clock and step-by-step counts in one rollout."""
+import gc
+
+import pytest
+import torch
+
+import bench_static
+import kvcache
+from bench_static import GCClock, OpCounter, ops_per_step, split_mean, step_times
+from kvcache import KVCache, SparseConfig
+from reference import tiny_model
+from sampler import generate
+from static import StaticCache
+
+PROMPTS = [[5, 9, 3, 7, 1, 12, 33, 8, 2], [4, 17, 6], [21, 22, 23, 24, 25, 26]]   # ragged: left-padded
+
+
+def test_the_op_counter_counts_launches_not_views():
+    x = torch.randn(4, 4)
+    with OpCounter() as counter:
+        y = x + 1                                  # add
+        y.view(16), y.t(), y[1:], y.unsqueeze(0)  # views: no kernel
+        y.mul_(2), y.sum()                         # mul_, sum
+    assert counter.count == 3
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "static"])
+def test_ops_per_step_is_what_each_steady_decode_step_dispatches(monkeypatch, captured):
+    """A full cache never compresses: every decode step dispatches the same ops, counted here between the
+    cache's announcements of consecutive steps, against `ops_per_step`'s difference of two rollouts."""
+    model, sparse = tiny_model(), SparseConfig("full", interval=4)
+    marks, start_step = [], StaticCache.start_step if captured else KVCache.start_step
+
+    def marked(cache, positions):
+        marks.append(counter.count)
+        start_step(cache, positions)
+    monkeypatch.setattr(StaticCache if captured else KVCache, "start_step", marked)
+    with OpCounter() as counter:
+        generate(model, PROMPTS, sparse, max_new_tokens=12, temperature=0, captured=captured)
+    steps = [b - a for a, b in zip(marks[2:-1], marks[3:])]        # past the prefill and the first steps
+    assert len(set(steps)) == 1
+    assert ops_per_step(model, PROMPTS, sparse, captured) == steps[0]
+
+
+@pytest.mark.parametrize("budget", [8, 16])
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "static"])
+def test_ops_per_step_spreads_one_compression_over_its_interval(monkeypatch, captured, budget):
+    """Prompts of 2, interval 4: by hand, decode steps budget + 2, + 6, + 10, + 14 compress (2 + step - budget >= 4,
+    then every 4), and the steps from budget on repeat with period 4 (a compression, the window's two remembering
+    steps, a plain one). `ops_per_step` must be one such period's ops (one compression included) over 4, counted
+    here step by step in one rollout; a difference of the 4- and 8-token rollouts would see no compression at all,
+    nor, at budget 16, would one of the 8- and 12-token rollouts (the first compression comes at step 18)."""
+    model = tiny_model()
+    sparse = SparseConfig("snapkv", budget=budget, interval=4, window=2, sink=1, kernel=3)
+    prompts = [[5, 9], [4, 17]]
+    cls = StaticCache if captured else KVCache
+    marks, compressing, start_step = [], [], cls.start_step
+
+    def marked(cache, positions):
+        marks.append(counter.count)
+        start_step(cache, positions)
+        compressing.append(cache.compressing)
+    monkeypatch.setattr(cls, "start_step", marked)
+    first = budget + 2
+    with OpCounter() as counter:
+        generate(model, prompts, sparse, max_new_tokens=first + 14, temperature=0, captured=captured)
+    monkeypatch.undo()
+    steps = [b - a for a, b in zip(marks, marks[1:])]                # steps[d]: decode step d (0: the prefill)
+    assert [d for d, c in enumerate(compressing) if c] == [first, first + 4, first + 8, first + 12]
+    period = sum(steps[first + 2:first + 6])
+    assert sum(steps[first + 6:first + 10]) == period
+    assert steps[first + 4] > max(steps[first + 2], steps[first + 3], steps[first + 5])   # first + 4 compresses
+    assert ops_per_step(model, prompts, sparse, captured) == period / 4
+
+
+def test_profile_counts_each_kernels_time_once(monkeypatch, capsys):
+    """--profile's device kernels a step: the profiler gives a kernel's time a row of its own and again in the row
+    of the op that launched it (as CUDA's profile does: aten::mm's Self CUDA = its kernels'). By hand, 4 steps: a
+    6 ms matrix product and a 2 ms copy, 8 ms over 4 steps = 2.0 ms a step (every row summed: 4.0), and 8 launches,
+    2 a step: 4 by the runtime's cudaLaunchKernel, 3 by the driver's cuLaunchKernelEx (cuBLAS may call it), a graph."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    def rollout(*args, **kwargs):
+        return type("R", (), dict(stats=dict(seconds=0.04)))()
+    def rows():   # one after another on the host's clock (the profiler nests an op in one that spans it)
+        events = []
+        for i, (op, kernel, us) in enumerate([("aten::mm", "nvjet_mm", 6000), ("aten::copy_", "Memcpy HtoD", 2000)]):
+            cpu = FunctionEvent(i, op, 0, 10_000 * i, 10_000 * i + us, use_device="cuda", stack=[])
+            cpu.append_kernel(kernel, 0, us)
+            events += [cpu, FunctionEvent(10 + i, kernel, 0, 10_000 * i, 10_000 * i + us, use_device="cuda",
+                                          stack=[], device_type=DeviceType.CUDA)]
+        launch = ["cudaLaunchKernel"] * 4 + ["cuLaunchKernelEx"] * 3 + ["cudaGraphLaunch"]   # as CUDA names them
+        return events + [FunctionEvent(20 + i, name, 0, 30_000 + 10 * i, 30_005 + 10 * i, use_device="cuda",
+                                       stack=[]) for i, name in enumerate(launch)]
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+        __enter__ = lambda self: self
+        __exit__ = lambda self, *exc: None
+
+        def key_averages(self):
+            events = EventList(rows(), use_device="cuda")
+            events._build_tree()     # as the profiler does: the ops' parents and children, from their times
+            return events.key_averages()
+    monkeypatch.setattr(bench_static, "generate", rollout)
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    model = type("M", (), dict(device=torch.device("cpu")))()
+    bench_static.profile(model, [[1, 2]], SparseConfig("full"), 4)
+    out = capsys.readouterr().out
+    assert "full, eager: 10.0 ms a step under the profiler, device kernels 2.0 ms a step, 2 launches a step" in out
+
+
+def test_split_mean_parts_the_mean_step_by_hand():
+    # steady steps 10, 12, 11, 30 (median 11.5), compressions 50 and 20: (50 - 11.5 + 20 - 11.5) / 6 = 7.83...,
+    # the steady steps' excess (-1.5 + 0.5 - 0.5 + 18.5) / 6 = 2.83...; 11.5 + 7.83 + 2.83 = 22.17 = the mean
+    seconds, compressing = [10, 50, 12, 11, 20, 30], [False, True, False, False, True, False]
+    steady, compressions, spread = split_mean(seconds, compressing)
+    assert (steady, compressions, spread) == pytest.approx((11.5, 47 / 6, 17 / 6))
+    assert steady + compressions + spread == pytest.approx(sum(seconds) / len(seconds))
+    assert split_mean([4, 6], [True, True]) == (0.0, 5.0, 0.0)          # interval 1 over budget: no steady step
+
+
+def test_gc_clock_counts_the_full_collections_under_it_only():
+    clock = GCClock()
+    for _ in range(2):           # summed over every `with`
+        with clock:
+            gc.collect()
+            gc.collect(0)
+        gc.collect()
+    assert clock.full == 2 and clock.seconds > 0
+
+
+def test_gc_clock_sums_each_collections_start_to_stop_and_counts_generation_2_only(monkeypatch):
+    """gc calls its callbacks with ("start", info) and ("stop", info) around each collection. Driven by hand on a
+    clock that reads 1, 1.5, 4, 4.25, 10, 10.5: three collections of 0.5, 0.25 and 0.5 s, summed to 1.25 (not
+    the last one alone, nor stop-to-start gaps); only the generation-2 one is full (not generation 1)."""
+    times = iter([1.0, 1.5, 4.0, 4.25, 10.0, 10.5])
+    monkeypatch.setattr(bench_static, "time", type("T", (), dict(perf_counter=staticmethod(lambda: next(times)))))
+    clock = GCClock()
+    for generation in (1, 2, 0):
+        clock.tick("start", {"generation": generation})
+        clock.tick("stop", {"generation": generation, "collected": 0, "uncollectable": 0})
+    assert clock.seconds == 1.25 and clock.full == 1
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """The synchronised clock `step_times` reads, faked: each read is a second later; -> [now], to move by hand."""
+    now = [0.0]
+
+    def clock(device=None):
+        now[0] += 1
+        return now[0]
+    monkeypatch.setattr(bench_static, "clock", clock)
+    return now
+
+
+def test_step_times_gives_each_decode_step_its_own_time_and_marks_its_compressions(monkeypatch, fake_clock):
+    """Prompts of 6, budget 4, interval 2: the first decode step holds 7 tokens (3 over: compress to 4), the next
+    5, then 6 (2 over: compress), ...: by hand, decode steps 0, 2, 4 and 6 of 8 compress. A compression that takes
+    60 s a layer on the fake clock must show in exactly those steps' times (an off-by-one would put it on their
+    neighbours)."""
+    compress = kvcache.compress
+
+    def slow(*args):
+        fake_clock[0] += 60
+        return compress(*args)
+    monkeypatch.setattr(kvcache, "compress", slow)
+    model, sparse = tiny_model(), SparseConfig("snapkv", budget=4, interval=2, window=2, sink=1, kernel=3)
+    seconds, compressing = step_times(model, [[5, 9, 3, 7, 1, 12], [4, 17, 6, 8, 2, 11]], sparse, 9)
+    assert compressing == [True, False] * 4
+    assert [s > 120 for s in seconds] == compressing, seconds          # 2 layers x 60 s
+
+
+def test_step_times_charges_a_steps_announcement_to_that_step(monkeypatch, fake_clock):
+    """A step runs from its own `start_step` (the host's bookkeeping: which rows compress, the copy of their
+    arguments) to the next one's: a mark taken after `start_step` would charge a compressing step's bookkeeping
+    to the step before it. The compressing steps' `start_step` takes 100 s more on the fake clock, by hand decode
+    steps 0, 2, 4, 6 of 8 (as in the test above): it must show in exactly those steps."""
+    start_step = KVCache.start_step
+
+    def slow(cache, positions):
+        start_step(cache, positions)
+        fake_clock[0] += 100 * cache.compressing
+    monkeypatch.setattr(KVCache, "start_step", slow)
+    model, sparse = tiny_model(), SparseConfig("snapkv", budget=4, interval=2, window=2, sink=1, kernel=3)
+    seconds, compressing = step_times(model, [[5, 9, 3, 7, 1, 12], [4, 17, 6, 8, 2, 11]], sparse, 9)
+    assert compressing == [True, False] * 4
+    assert [s > 100 for s in seconds] == compressing, seconds
+
+
+def test_step_times_puts_back_the_caches_start_step(monkeypatch, fake_clock):
+    # Pins step_times' patch.object: KVCache.start_step is the original again after the rollout, and after one
+    # that raises; else every later rollout in the process would keep appending marks
+    before, sparse = KVCache.start_step, SparseConfig("snapkv", budget=4, interval=2, window=2, sink=1, kernel=3)
+    step_times(tiny_model(), [[5, 9, 3, 7, 1, 12]], sparse, 3)
+    assert KVCache.start_step is before
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("mid-rollout")
+    monkeypatch.setattr(bench_static, "generate", broken)
+    with pytest.raises(RuntimeError, match="mid-rollout"):
+        step_times(tiny_model(), [[5, 9, 3, 7, 1, 12]], sparse, 3)
+    assert KVCache.start_step is before
+
+
+def test_print_step_times_reports_every_rounds_steps_by_hand(monkeypatch, capsys):
+    """--step-times with `step_times` replaced by fixed timings (ms): full's steps all 10 in round 1, all 50 in
+    round 2 (median 30 over both); snapkv's steady steps 1, 2, ..., 20 and two compressions, 50 and 70, in each of
+    2 rounds (the warm-up's 1000s must not count). By hand, snapkv: steady median 10.5, compressions
+    (39.5 + 59.5) / 22 = 4.5 a step, spread 0, mean 15 = 0.50x full's, steady 0.35x full's; 4 compressing steps,
+    median 60; over the 40 steady steps, p90 the 37th smallest (19), max 20. The policies take turns, round
+    after round, after one warm-up each."""
+    import argparse
+
+    calls = []
+
+    def timings(model, prompts, sparse, steps):
+        calls.append((sparse.policy, steps))
+        if steps == 8:                                                    # the warm-up
+            return [1.0] * 3, [False] * 3
+        if sparse.policy == "full":
+            return [0.040 * calls.count(("full", 22)) - 0.030] * 22, [False] * 22
+        return [k / 1e3 for k in range(1, 21)] + [0.050, 0.070], [False] * 20 + [True] * 2
+    monkeypatch.setattr(bench_static, "step_times", timings)
+    args = argparse.Namespace(shape="bench", batch=2, prompt=6, new=22, budget=16, interval=4, rounds=2)
+    sparse = {p: SparseConfig(p, budget=16, interval=4) for p in ("full", "snapkv")}
+    bench_static.print_step_times(type("M", (), dict(dtype=torch.float32, device="cpu"))(), [[1, 2]], sparse, args)
+    out = capsys.readouterr().out
+    assert calls == [("full", 8), ("snapkv", 8)] + [("full", 22), ("snapkv", 22)] * 2
+    assert ("      full: mean step  30.00 (1.00x full's) = steady median  30.00 (1.00x) + compressions  0.00 (0 steps, "
+            "median    0.00) + the steady steps' spread  0.00 (p90  50.00, max   50.00)") in out
+    assert ("    snapkv: mean step  15.00 (0.50x full's) = steady median  10.50 (0.35x) + compressions  4.50 (4 steps, "
+            "median   60.00) + the steady steps' spread  0.00 (p90  19.00, max   20.00)") in out
+
+
+def test_print_step_times_reports_the_rollouts_finished_before_a_time_limits_sigint(monkeypatch, capsys):
+    """gpu_check.sh gives --step-times what is left of its call, then SIGINT: the policies whose rollouts finished
+    are still reported (here full and snapkv, h2o's rollout interrupted), not a traceback alone; interrupted
+    before any finished, the KeyboardInterrupt goes on."""
+    import argparse
+
+    def timings(model, prompts, sparse, steps):
+        if steps == 22 and sparse.policy == "h2o":
+            raise KeyboardInterrupt
+        return [0.010] * 3, [False] * 3
+    monkeypatch.setattr(bench_static, "step_times", timings)
+    args = argparse.Namespace(shape="bench", batch=2, prompt=6, new=22, budget=16, interval=4, rounds=1)
+    sparse = {p: SparseConfig(p, budget=16, interval=4) for p in ("full", "snapkv", "h2o")}
+    model = type("M", (), dict(dtype=torch.float32, device="cpu"))()
+    bench_static.print_step_times(model, [[1, 2]], sparse, args)
+    out = capsys.readouterr().out
+    assert "interrupted" in out and "full: mean step" in out and "snapkv: mean step" in out
+    assert "h2o: mean step" not in out
+    with pytest.raises(KeyboardInterrupt):
+        bench_static.print_step_times(model, [[1, 2]], {"h2o": sparse["h2o"]}, args)
+
+
+@pytest.mark.parametrize("name", ["batch", "prompt", "new", "budget", "interval", "rounds"])
+def test_the_command_line_refuses_every_count_below_one_before_building_a_model(monkeypatch, capsys, name):
+    # each of these counts at 0 would fail, or time nothing (no round: a median of nothing), only after a model of
+    # up to 2B parameters was built: each must be refused first, by name (the test above tries --batch alone)
+
+    monkeypatch.setattr(bench_static, "LlamaForCausalLM", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(SystemExit):
+        bench_static.main([f"--{name}", "0"])
+    assert f"--{name} must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_budget_or_interval_up_to_dense_passes_the_checks(monkeypatch):
+    # SparseConfig takes budgets up to DENSE = 2**40 (never evicts): the 2**31 bound is for sizes torch allocates
+
+    monkeypatch.setattr(bench_static, "LlamaForCausalLM", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(pytest.fail.Exception, match="a model was built"):
+        bench_static.main(["--budget", str(2 ** 40), "--interval", str(2 ** 35), "--policies", "snapkv,blocktopk"])
+    with pytest.raises(pytest.fail.Exception, match="a model was built"):   # holds budget + interval, any --new
+        bench_static.main(["--new", "2000000000", "--policies", "snapkv,h2o"])
+    with pytest.raises(pytest.fail.Exception, match="a model was built"):   # DENSE never compresses: none to wait for
+        bench_static.main(["--count-ops", "--budget", str(2 ** 40), "--policies", "snapkv"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--profile", "-1"], "--profile must be >= 0 (0: no profile), got -1"),
+    (["--policies", "full,xyz"], "unknown policy 'xyz'; allowed: full, streaming"),
+    (["--policies", "blocktopk", "--budget", "4"], "budget=4 must be >= page_size = 16"),
+    (["--device", "gpu"], "--device 'gpu': give auto, cpu, cuda or cuda:N"),         # was torch's list of backends
+    (["--prompt", str(2 ** 63)], f"--prompt must be < 2**31, got {2 ** 63}"),       # was: an OverflowError traceback
+    (["--prompt", "2000000000", "--dtype", "float32"], "--batch 8 x --prompt 2000000000 + 512 new tokens: the KV "
+     "cache full preallocates (2000000512 slots a row) is 122070 GiB in torch.float32, and this cpu has"),
+    # 2 x 8 x 2 x 64 x 8 x 2e9 x 4 B: was a traceback. Full and block top-k preallocate prompt + new slots: a long
+    # --new was not checked (it was minutes of swapping once the model was built), an evicting cache's --new is free
+    (["--new", "2000000000", "--policies", "snapkv,blocktopk"], "--batch 8 x --prompt 256 + 2000000000 new tokens: "
+     "the KV cache blocktopk preallocates (2000000256 slots a row) is 122070 GiB in torch.float32"),
+    (["--count-ops", "--step-times"], "runs of their own, each alone: got --count-ops --step-times"),   # one was
+    (["--step-times", "--hf"], "runs of their own, each alone: got --step-times --hf"),         # silently dropped
+    (["--count-ops", "--profile", "8"], "runs of their own, each alone: got --count-ops --profile"),
+    # one token is the prefill's: no decode step, and split_mean's ZeroDivisionError once the model was built
+    (["--step-times", "--new", "1"], "--step-times times decode steps, and --new 1 has none: give --new 2 or more"),
+])
+def test_the_command_line_refuses_bad_flags_before_building_a_model(monkeypatch, capsys, argv, message):
+
+    monkeypatch.setattr(bench_static, "LlamaForCausalLM", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(SystemExit):
+        bench_static.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_the_command_line_times_each_policy_at_its_budget_and_interval(monkeypatch):
+    # Pins main's SparseConfigs, built once from the flags: --count-ops runs each policy, eager then static, at
+    # --budget 24 and --interval 4 (not SparseConfig's defaults 512 and 128)
+    seen = []
+    monkeypatch.setattr(bench_static, "ops_per_step", lambda model, prompts, sparse, captured: seen.append(sparse) or 1.0)
+    bench_static.main(["--shape", "layers28", "--count-ops", "--batch", "1", "--prompt", "4", "--new", "8",
+                 "--policies", "snapkv,full", "--budget", "24", "--interval", "4"])
+    assert seen == [SparseConfig("snapkv", 24, 4)] * 2 + [SparseConfig("full", 24, 4)] * 2
+
+
+@pytest.mark.parametrize("argv, positions", [
+    (["--prompt", "256", "--new", "512", "--profile", "5000"], 256 + 5000),
+    # the warm-up rollouts (8 tokens) beside --new 2: was a traceback after the model was built
+    (["--prompt", "4", "--new", "2", "--interval", "1"], 4 + 8),
+    # --count-ops past the first compression: at budget 64, prompt 16, interval 8 a 48 + 24-token rollout
+    (["--prompt", "16", "--new", "8", "--budget", "64", "--interval", "8", "--policies", "snapkv", "--count-ops"],
+     16 + 48 + 24),
+], ids=["profile", "warm-up", "count-ops"])
+def test_the_model_has_positions_for_every_rollout_it_decodes(monkeypatch, argv, positions):
+    # --profile 5000 beside --new 512 was a traceback at the very end, after every timed rollout: "max_new_tokens
+    # 5000: ... must fit the model's 897 positions"
+
+
+    class Built(Exception):
+        pass
+
+    def config(**kwargs):
+        raise Built(kwargs["max_position_embeddings"])
+    monkeypatch.setattr(bench_static, "LlamaConfig", config)
+    with pytest.raises(Built) as built:
+        bench_static.main(argv)
+    assert built.value.args[0] >= positions
