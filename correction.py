@@ -86,8 +86,8 @@ def response_logprobs(model, rollouts, temperature=1.0, topk=False, chunk=None, 
     """
     tokens, mask, prompts = rollouts.tokens, rollouts.mask, rollouts.prompts
     check_shapes(tokens=tokens, mask=mask, logprobs=rollouts.logprobs)
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 <= temperature < float("inf"):   # NaN too: NaN log-probs everywhere; inf: a uniform distribution
+        raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {temperature}")
     if len(prompts) != tokens.shape[0] or min(map(len, prompts)) < 1:
         raise ValueError(f"need {tokens.shape[0]} non-empty prompts for {tokens.shape[0]} responses")
     if chunk is not None and (not isinstance(chunk, int) or chunk < 1):

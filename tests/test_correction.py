@@ -598,6 +598,10 @@ def test_dense_logprobs_rejects_bad_input(tiny_llama):
         dense_logprobs(tiny_llama, rollouts, batch_size=0)
     with pytest.raises(ValueError, match="temperature must be >= 0 .* got -1"):
         dense_logprobs(tiny_llama, rollouts, temperature=-1)
+    # NaN passes `< 0` and scores every token NaN; inf scores a uniform distribution; the sampler refuses both
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError, match=rf"temperature must be >= 0 and finite \(0 = greedy\), got {bad}"):
+            dense_logprobs(tiny_llama, rollouts, temperature=bad)
     broken = Rollouts(rollouts.prompts, rollouts.tokens, rollouts.mask[:, :4], rollouts.logprobs,
                       rollouts.topk_logprobs, rollouts.topk_ids)
     with pytest.raises(ValueError, match=r"mask has shape \(3, 4\), expected \(3, 6\)"):
