@@ -45,13 +45,16 @@ def check_shapes(**tensors):
 
 
 def check_groups(rewards, group_size):
-    """Raise ValueError unless rewards [N] split into whole groups of `group_size` rows."""
+    """Raise ValueError unless rewards [N] are finite and split into whole groups of `group_size` rows."""
     if rewards.ndim != 1:
         raise ValueError(f"rewards must be a flat [N] tensor, got shape {tuple(rewards.shape)}")
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of group_size={group_size}")
+    if not torch.isfinite(rewards).all():     # one NaN reward would make its group's advantages, then the loss, NaN
+        row = int((~torch.isfinite(rewards)).nonzero()[0])
+        raise ValueError(f"rewards must be finite, got {rewards[row].item()} at row {row}")
 
 
 def check_band(low, high):

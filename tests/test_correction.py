@@ -555,6 +555,10 @@ BAD_INPUT = [
     (lambda: group_advantages(torch.zeros(6), 4), "6 rewards cannot be split into groups of group_size=4"),
     (lambda: group_advantages(torch.zeros(2, 4), 4), r"flat \[N\] tensor, got shape \(2, 4\)"),
     (lambda: group_advantages(torch.zeros(4), 0), "group_size must be a positive integer, got 0"),
+    # a NaN reward gave its group NaN advantages (then a NaN loss and NaN weights after the step); max-variance
+    # down-sampling took the NaN row as the highest reward
+    (lambda: group_advantages(torch.tensor([0.0, 1.0, math.nan, 1.0]), 2), "rewards must be finite, got nan at row 2"),
+    (lambda: downsample(torch.tensor([0.0, -math.inf, 1.0, 1.0]), 4, 2), "rewards must be finite, got -inf at row 1"),
     (lambda: rejection_mask(Z, Z, low=1.5, high=0.5), "low < high .* low=1.5, high=0.5"),
     (lambda: rejection_mask(Z, Z, low=1.0, high=1.0), "low=1.0, high=1.0"),
     (lambda: rejection_mask(Z, torch.zeros(2, 4)), r"mask has shape \(2, 4\), expected \(2, 3\)"),
