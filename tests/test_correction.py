@@ -114,6 +114,20 @@ def test_mismatch_stats_by_hand():
     assert stats["out_of_band"] == pytest.approx(0.5)  # 2.0 and 0.25 lie outside [0.5, 1.5]
 
 
+def test_mismatch_stats_quantiles_of_more_than_2_24_tokens():
+    # torch.quantile refuses more than 2^24 values: a batch of 2^24 + 1 tokens raised a RuntimeError. Here the first
+    # 10 % have rho 0.5 and alpha 0.25, the rest rho 1 and alpha 1: p05 lies inside the first 10 %, p50 and p95 not
+    n = 2 ** 24 + 1
+    low = torch.arange(n) < n // 10
+    logp_sparse = torch.zeros(1, n)
+    logp_dense = torch.where(low, -LN2, 0.0)[None]
+    topk_dense = torch.where(low, math.log(0.25), 0.0)[None, :, None]
+    stats = mismatch_stats(logp_dense, logp_sparse, torch.ones(1, n), topk_dense, torch.zeros(1, n, 1))
+    assert stats["tokens"] == n
+    quantiles = stats["rho_p05"], stats["rho_p50"], stats["rho_p95"], stats["alpha_p05"]
+    assert quantiles == pytest.approx((0.5, 1, 1, 0.25))
+
+
 def test_mismatch_stats_closed_band_and_kl_in_float64():
     logp, mask = torch.zeros(2, 3), torch.ones(2, 3)
     # rho = 1 exactly on either edge of the band is inside it, as rejection_mask keeps it
