@@ -300,7 +300,7 @@ def policy_loss(logp, logp_old, advantages, mask, weights=None, clip=0.2, clip_h
 
     logp [N, T] (pi_theta, with grad), logp_old [N, T] (pi_old), advantages [N] or [N, T],
     mask [N, T] (after rejection), weights [N, T] (from `importance_weights`, detached),
-    response_mask [N, T] (before rejection: the denominators).
+    response_mask [N, T] (before rejection, so it holds every kept token: the denominators).
         r_t = pi_theta(y_t) / pi_old(y_t)
         L_t = w_t * max(-r_t * A, -clip(r_t, 1 - eps, 1 + eps_high) * A)  (+ kl_coef * k3_t)
         k3_t = pi_ref / pi_theta - 1 - log(pi_ref / pi_theta)   (KL to a reference; Sparse-RL 1e-4)
@@ -338,6 +338,10 @@ def policy_loss(logp, logp_old, advantages, mask, weights=None, clip=0.2, clip_h
     if kl_coef and logp_ref is None:
         raise ValueError(f"kl_coef={kl_coef} needs logp_ref, the reference model's log-probs")
     kept = mask > 0
+    extra = (kept & ~(response_mask > 0)).any(-1)       # swapped masks would divide by the kept tokens, silently
+    if extra.any():
+        raise ValueError(f"mask keeps tokens outside response_mask in row {int(extra.nonzero()[0])}: mask is the "
+                         f"mask after rejection, response_mask the tokens as sampled, so it must hold all of them")
     A = advantages if advantages.ndim == 2 else advantages[:, None].expand_as(logp)
     # masked_fill (not multiply) before exp: padding may hold anything (even -inf) and its gradient
     # is cut; rho's clamp (LOG_RHO_CLAMP) also keeps a very stale r finite.

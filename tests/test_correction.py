@@ -586,6 +586,9 @@ BAD_INPUT = [
     (lambda: policy_loss(Z, torch.zeros(2, 4), torch.zeros(2), Z), r"logp_old has shape \(2, 4\)"),
     (lambda: policy_loss(Z, Z, torch.zeros(2), Z, weights=torch.ones(2)), r"weights has shape \(2,\)"),
     (lambda: policy_loss(Z, Z, torch.zeros(2), Z, agg="sum"), "agg must be .* got 'sum'"),
+    # the masks swapped (rejected tokens as the denominators): response 1 keeping 3 of 1 token gave 3x its loss
+    (lambda: policy_loss(Z, Z, torch.zeros(2), torch.ones(2, 3), response_mask=torch.tensor([[1., 1, 1], [1, 0, 0]])),
+     "mask keeps tokens outside response_mask in row 1"),
     (lambda: policy_loss(Z, Z, torch.zeros(2), Z, clip=0), "clip=0"),
     (lambda: policy_loss(Z, Z, torch.zeros(2), Z, kl_coef=0.1), "kl_coef=0.1 needs logp_ref"),
     # nan passes every `x <= 0` test: each setting is checked as `not x > 0`, or it gives nan weights, advantages or
