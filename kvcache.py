@@ -348,8 +348,8 @@ class KVCache(Cache):
         self.compressions += self.compressing
         if self.compressing:   # what every layer's compression needs, in one copy to the device
             rows = self.due.nonzero()[:, 0]
-            # `random`'s salt: (seed, context), + layer * 65_537 in each layer; any large odd multipliers would do
-            b, salt = len(rows), self.seed * 1_000_003 + self.context[rows]
+            # `random`'s salt: (seed, context) + layer * 65_537; hash32 reads it mod 2**32, so may the (64-bit) seed
+            b, salt = len(rows), self.seed % 2 ** 32 * 1_000_003 + self.context[rows]
             args = to_device(torch.cat([rows, salt, self.row_tokens]), positions.device)
             self.compress_args = args[:b], args[b:2 * b], args[2 * b:]           # due rows, salt, count [B]
             self.keep_n = int(self.row_tokens.max())

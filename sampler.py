@@ -136,8 +136,14 @@ def integer(value):
         return None
 
 
-def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk, eos_token_id=None, pad_token_id=0):
+def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk, eos_token_id=None, pad_token_id=0,
+               seed=0, sparse=None):
     """Reject bad input with a message naming the value, before any forward pass."""
+    if sparse is not None and not isinstance(sparse, SparseConfig):   # was an AttributeError from the cache
+        raise ValueError(f"sparse must be a SparseConfig (None: the full cache), got {sparse!r:.80}")
+    # a torch.Generator takes any 64-bit seed; a float, None or bool was a RuntimeError from manual_seed
+    if integer(seed) is None or not -2 ** 63 <= integer(seed) < 2 ** 64:   # (not `in range`: None would scan it)
+        raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r:.40}")
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r:.80}")
     vocab = model.config.vocab_size
@@ -161,7 +167,7 @@ def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk
     if not (real(temperature) and 0 <= temperature < float("inf")):   # NaN too: it would sample token 0, NaN log-probs
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if not (real(top_p) and 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")   # !r: tensor(0.5) is no 0.5
     if not count(logprobs_topk):
         raise ValueError(f"logprobs_topk must be a positive integer, got {logprobs_topk!r}")
     # an id outside the vocabulary: an EOS would never match (rows run on past their end), a padding id would fail
@@ -217,9 +223,10 @@ def generate(model, prompts, sparse=None, max_new_tokens=256, temperature=1.0, t
     Returns `Rollouts` with T = the steps up to the last row's EOS (or max_new_tokens); the cache's
     stats count every step it ran.
     """
-    check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk, eos_token_id, pad_token_id)
+    check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk, eos_token_id, pad_token_id,
+               seed, sparse)
     prompts = [list(map(integer, p)) for p in prompts]      # numpy or 0-d tensor ids: Python ints from here on
-    pad_token_id = integer(pad_token_id)
+    pad_token_id, seed = integer(pad_token_id), integer(seed)
     sparse, device = sparse or SparseConfig(), model.device
     # [E] the ids that end a row (E = 0: no EOS), as Python ints: torch.tensor takes no list of 0-d numpy arrays
     ends = torch.tensor([integer(e) for e in end_ids(eos_token_id)], dtype=torch.long, device=device)

@@ -246,13 +246,19 @@ def test_bfloat16_runs_close_to_float32():
     ([[1, 2]], dict(temperature=None), "temperature must be a finite number >= 0 .*, got None"),   # were a
     ([[1, 2]], dict(temperature="0.7"), "temperature must be a finite number >= 0 .*, got '0.7'"),   # TypeError
     ([[1, 2]], dict(top_p=None), "top_p must lie in \\(0, 1\\], got None"),                         # from `<`
+    ([[1, 2]], dict(top_p=torch.tensor(0.5)), "top_p must lie in .*, got tensor\\(0.5000\\)"),   # was: "got 0.5"
+    ([[1, 2]], dict(seed=1.5), "^seed must be an integer in \\[-2\\*\\*63, 2\\*\\*64\\), got 1.5$"),   # these three
+    ([[1, 2]], dict(seed=None), "^seed must be an integer .*, got None$"),               # were a RuntimeError
+    ([[1, 2]], dict(seed=True), "^seed must be an integer .*, got True$"),               # from manual_seed
+    ([[1, 2]], dict(seed=2 ** 64), "^seed must be an integer .*, got 18446744073709551616$"),
+    ([[1, 2]], dict(sparse="snapkv"), "^sparse must be a SparseConfig \\(None: the full cache\\), got 'snapkv'$"),
 ])
 def test_bad_input_is_refused_before_any_forward_pass(prompts, kwargs, message):
     model = tiny_model("llama")
     calls = []
     model.register_forward_pre_hook(lambda *args: calls.append(1))
     with pytest.raises(ValueError, match=message):
-        generate(model, prompts, SparseConfig("full"), **kwargs)
+        generate(model, prompts, **{"sparse": SparseConfig("full"), **kwargs})
     assert calls == []
 
 
