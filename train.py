@@ -339,8 +339,8 @@ def main(argv=None):
     if evaluated and start not in kept:   # killed after its checkpoint at `start`, before its evaluation was written
         run_eval(start)
     # counted by hand, so that a step's numbers show beside its own count (an iterated bar still shows the step
-    # before while this one evaluates and saves)
-    bar = tqdm(total=args.steps - start, desc="GRPO", dynamic_ncols=True)
+    # before while this one evaluates and saves); a resumed run's count goes on from its checkpoint's step
+    bar = tqdm(initial=start, total=args.steps, desc="GRPO", dynamic_ncols=True)
     history = []
     for step in range(start + 1, args.steps + 1):
         metrics = rl_step(model, ref_model, opt, tokenizer, step_examples(args, train, step), reward, sparse,

@@ -784,6 +784,22 @@ def test_the_progress_bar_shows_each_steps_numbers_beside_its_own_count(tmp_path
                                           f"{step['reward']:.2f}")
 
 
+def test_a_resumed_runs_bar_counts_on_from_its_checkpoint_beside_each_steps_numbers(tmp_path, warm, capsys):
+    # Was: the bar of a run resumed at step 2 of 4 counted 1/2, 2/2, so step 4's reward showed at "2/2". At count k
+    # every bar drawn must show metrics.jsonl's step k, as in a run that was never stopped
+    run_in(tmp_path, warm, "--steps", "2", "--eval-every", "2", "--save-every", "2")
+    capsys.readouterr()
+    _, _, lines = run_in(tmp_path, warm, "--steps", "4", "--eval-every", "2", "--save-every", "2", "--resume")
+    drawn = re.findall(r"GRPO:.*? (\d+)/(\d+) .*?acc=([\d.]+), dropped=([\d.]+), reward=([\d.]+)\]",
+                       capsys.readouterr().err)
+    assert ("4", "4") in {(k, total) for k, total, *_ in drawn}    # tqdm may skip drawing 3/4: a fast step
+    for k, total, acc, dropped, reward in drawn:
+        step = lines[int(k) - 1]
+        assert total == "4" and step["step"] == int(k) >= 3
+        assert (acc, dropped, reward) == (f"{step['accuracy']:.2f}", f"{step['dropped_tokens'] / step['tokens']:.2f}",
+                                          f"{step['reward']:.2f}")
+
+
 def test_update_shuffles_its_minibatches_by_the_step_seed(warm, monkeypatch):
     # step_seed is the one source of a step's randomness, the learner's shuffle included: with minibatches of 4 of
     # the 16 rollouts, which rollouts share an AdamW step is a function of the seed rl_step hands `update`. The
