@@ -308,8 +308,9 @@ def main(argv=None):
         model, state = loaded
         start = state["step"]
         print(f"resuming from {ckpt} (step {start})")
-    elif last_checkpoint(out) and args.steps > 0:
-        print(f"starting fresh in {out}: the run there moves to {set_aside(out)} (--resume would have continued it)")
+    elif args.steps > 0 and (last_checkpoint(out) or (out / "eval.jsonl").exists()):   # its step-0 line: a run
+        after = " (--resume would have continued it)" if last_checkpoint(out) else " (stopped before a checkpoint)"
+        print(f"starting fresh in {out}: the run there moves to {set_aside(out)}{after}")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     lora = distill.LoRA(model, args.lora_rank, seed=args.seed) if args.distill != "off" else None
     lora_opt = torch.optim.AdamW(lora.parameters(), lr=args.lr * args.lora_lr_scale, weight_decay=0.0) if lora else None

@@ -800,6 +800,24 @@ def test_a_resumed_runs_bar_counts_on_from_its_checkpoint_beside_each_steps_numb
                                           f"{step['reward']:.2f}")
 
 
+def test_a_run_stopped_before_its_first_checkpoint_is_set_aside_not_overwritten(tmp_path, warm, monkeypatch, capsys):
+    # Was: with no step-NNNNNN in --out, a fresh start truncated the earlier run's metrics.jsonl and eval.jsonl to
+    # nothing (a 200-step toy run stopped at step 40 lost its 40 lines); README: the earlier run moves to previous-N
+    def killed(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "save_checkpoint", killed)             # Ctrl-C in the first save, at step 2
+    with pytest.raises(KeyboardInterrupt):
+        run_in(tmp_path, warm, "--steps", "2", "--save-every", "2", "--eval-every", "2")
+    monkeypatch.undo()
+    earlier = {log: (tmp_path / log).read_text() for log in ("metrics.jsonl", "eval.jsonl")}
+    assert earlier["metrics.jsonl"].count("\n") == 2 and not list(tmp_path.glob("step-*"))
+    capsys.readouterr()
+    run_in(tmp_path, warm, "--steps", "1", "--eval-every", "1")
+    assert f"the run there moves to {tmp_path / 'previous-1'} (stopped before a checkpoint)" in capsys.readouterr().out
+    assert {log: (tmp_path / "previous-1" / log).read_text() for log in earlier} == earlier
+    assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
 def test_update_shuffles_its_minibatches_by_the_step_seed(warm, monkeypatch):
     # step_seed is the one source of a step's randomness, the learner's shuffle included: with minibatches of 4 of
     # the 16 rollouts, which rollouts share an AdamW step is a function of the seed rl_step hands `update`. The
