@@ -270,11 +270,15 @@ def check_args(args):
         raise ValueError(f"--keep m must lie in [2, group size n={args.group_size}], got {args.keep}")
     if args.model is None and args.data is not None:
         raise ValueError("--data needs --model (the toy model only knows the toy task's characters)")
-    toy_only = [f"--{k} {getattr(args, k)}" for k, default in (("task", "pick"), ("reward", "task"))
-                if getattr(args, k) != default]
+    toy_only = [f"--{k} {' '.join(map(str, v)) if k == 'digits' else v}" for k, default in
+                (("task", "pick"), ("reward", "task"), ("digits", list(get_task("pick").lengths)))
+                if (v := getattr(args, k)) != default]
     if args.data is not None and toy_only:                            # was: ignored, silently
-        raise ValueError(f"{', '.join(toy_only)}: for the toy task only; --data's answers are scored by "
-                         "tasks.numeric_reward (leave it out)")
+        raise ValueError(f"{', '.join(toy_only)}: for the toy task only; --data brings its own prompts, its answers "
+                         "scored by tasks.numeric_reward (leave it out)")
+    if args.model is not None and args.warmup_steps != TOY_TASKS["pick"]["warmup_steps"]:   # was: ignored, silently
+        raise ValueError(f"--warmup-steps {args.warmup_steps}: the toy model's supervised phase; a --model trains "
+                         "from its own weights (leave it out)")
     if args.data is None and args.eval_data is not None:              # a toy run holds out prompts of its task
         raise ValueError(f"--eval-data {args.eval_data!r} needs --data (and --model), the training file it holds out")
     for path in (args.data, args.eval_data):

@@ -162,8 +162,12 @@ def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
     (["--eval-size", "0"], "--eval-size must be >= 1, got 0"),
     # the toy task's flags beside --data: were ignored, silently (a numeric reward, whatever --reward said)
     (["--model", "smollm2-135m", "--data", "d.jsonl", "--reward", "exact"], "^error: --reward exact: for the toy task "
-     "only; --data's answers are scored by tasks.numeric_reward \\(leave it out\\)$"),
+     "only; --data brings its own prompts, its answers scored by tasks.numeric_reward \\(leave it out\\)$"),
     (["--model", "m", "--data", "d.jsonl", "--task", "sort", "--reward", "exact"], "--task sort, --reward exact: for"),
+    # were ignored too: --data's prompts are its own, and a --model is never warmed up (trained from its weights)
+    (["--model", "m", "--data", "d.jsonl", "--digits", "4", "9"], "^error: --digits 4 9: for the toy task only; "),
+    (["--model", "smollm2-135m", "--warmup-steps", "50"], "^error: --warmup-steps 50: the toy model's supervised "
+     "phase; a --model trains from its own weights \\(leave it out\\)$"),
 ])
 def test_each_bad_value_is_one_clear_line_before_training(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message) as exit_info:
