@@ -301,6 +301,17 @@ def check_args(args):
         raise ValueError("--schedule and --controller set the budget of a sparse policy; --policy full keeps everything")
     if args.distill != "off" and args.policy == "full":
         raise ValueError("--distill trains an adapter for a sparse sampler; --policy full samples densely")
+    # a training flag that the run's other settings never read: was accepted, silently ignored (an evaluation,
+    # --steps 0, takes every training flag: evaluate.py passes a run's own)
+    unread = dict(downsample=("max-variance", args.keep == args.group_size, "--keep below --group-size"),
+                  veto=(1e-4, args.correction != "sparse-rl", "--correction sparse-rl"),
+                  cap=(1.5, args.correction == "none", "--correction tis or sparse-rl"),
+                  distill_lambda=(distill.LAMBDA, args.distill != "ppo-kl", "--distill ppo-kl"),
+                  lora_rank=(8, args.distill == "off", "--distill"),
+                  lora_lr_scale=(distill.LR_SCALE, args.distill == "off", "--distill"))
+    for name, (default, unused, needs) in unread.items():
+        if args.steps > 0 and unused and getattr(args, name) != default:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: only {needs} reads it (leave it out)")
     if (args.eval_policies or args.eval_budgets) and args.steps > 0:
         raise ValueError("--eval-policies and --eval-budgets go with --steps 0 (evaluate only)")
     if args.eval_budgets and all(p == "full" for p in args.eval_policies or [args.policy]):

@@ -185,6 +185,34 @@ def test_evaluate_only_takes_temperature_0():
         cli.check_args(cli.parse_args(["--steps", "1", "--temperature", "0"]))
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--downsample", "random"], "--downsample random: only --keep below --group-size reads it"),
+    (["--group-size", "4", "--keep", "4", "--downsample", "max-reward"],
+     "--downsample max-reward: only --keep below --group-size reads it"),
+    (["--correction", "none", "--cap", "3"], "--cap 3.0: only --correction tis or sparse-rl reads it"),
+    (["--correction", "tis", "--veto", "0.01"], "--veto 0.01: only --correction sparse-rl reads it"),
+    (["--correction", "none", "--veto", "0.01"], "--veto 0.01: only --correction sparse-rl reads it"),
+    (["--distill", "kl", "--distill-lambda", "5"], "--distill-lambda 5.0: only --distill ppo-kl reads it"),
+    (["--distill-lambda", "5"], "--distill-lambda 5.0: only --distill ppo-kl reads it"),
+    (["--lora-rank", "4"], "--lora-rank 4: only --distill reads it"),
+    (["--lora-lr-scale", "3"], "--lora-lr-scale 3.0: only --distill reads it"),
+])
+def test_a_training_flag_no_other_setting_reads_is_refused_not_ignored(argv, message):
+    # each trained as if left out, with no word (--distill kl --distill-lambda 5: the KL at weight 1, as its help says)
+    with pytest.raises(ValueError) as error:
+        cli.check_args(cli.parse_args(argv))
+    assert str(error.value) == message + " (leave it out)"
+
+
+def test_the_flags_a_run_does_not_read_pass_at_their_defaults_and_where_read():
+    # the refusal above compares with each flag's default: a default changed in parse_args alone would refuse it
+    for argv in (["--correction", "none"], ["--correction", "tis", "--cap", "3"], ["--keep", "4", "--downsample",
+                 "random"], ["--distill", "ppo-kl", "--distill-lambda", "5", "--lora-rank", "4", "--lora-lr-scale",
+                 "3"], ["--distill", "kl", "--lora-rank", "4"], ["--veto", "0.01", "--cap", "3"],
+                 ["--steps", "0", "--correction", "none", "--cap", "3", "--downsample", "random", "--lora-rank", "4"]):
+        assert cli.check_args(cli.parse_args(argv)) is None, argv
+
+
 def test_an_empty_out_is_refused_not_the_current_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)                       # Path("") is ".": the run went into the current folder
     with pytest.raises(SystemExit, match="^error: --out is empty: give a value, or leave the flag out"):
