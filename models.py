@@ -332,8 +332,10 @@ def load_checkpoint(folder, device, dtype):
     except Exception as error:
         raise ValueError(f"cannot load the weights of {folder} ({str(error).splitlines()[0]}): "
                          f"{damaged(folder)}") from None
-    try:   # torch's message for a torn file suggests weights_only=False: no answer to a damaged file
-        state = torch.load(Path(folder) / "trainer_state.pt", weights_only=True)
+    try:   # torch's message for a torn file suggests weights_only=False: no answer to a damaged file. On the CPU: a
+        # GPU run's AdamW state was refused on a machine without one (--device may change on resume); load_state_dict
+        # moves each tensor to its parameter's device
+        state = torch.load(Path(folder) / "trainer_state.pt", weights_only=True, map_location="cpu")
     except Exception as error:
         raise ValueError(f"{folder}/trainer_state.pt is no trainer state ({type(error).__name__}): "
                          f"{damaged(folder)}") from None

@@ -279,6 +279,27 @@ def test_only_the_last_two_checkpoints_are_kept(tmp_path):
     assert torch.load(tmp_path / "step-000012" / "trainer_state.pt", weights_only=True) == {"x": 1, "step": 12}
 
 
+def test_a_gpu_runs_checkpoint_loads_on_a_machine_without_a_gpu(tmp_path, monkeypatch):
+    # --device may change on resume, but a checkpoint whose AdamW state was saved on CUDA was refused on a CPU-only
+    # machine as "a damaged checkpoint: remove ..." (torch.load put each tensor back on the device it was saved from)
+    tokenizer = tasks.char_tokenizer()
+    model = models.toy_model(tokenizer)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.tensor([[1, 5, 7]])).logits.sum().backward()
+    opt.step()
+    state = dict(optimizer=opt.state_dict(), torch_rng=torch.get_rng_state())
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")   # saved as a GPU run saves
+    models.save_checkpoint(tmp_path, 2, model, tokenizer, argparse.Namespace(seed=0), state)
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _, loaded = models.load_checkpoint(tmp_path / "step-000002", "cpu", torch.float32)
+    fresh = torch.optim.AdamW(model.parameters())
+    fresh.load_state_dict(loaded["optimizer"])
+    assert loaded["step"] == 2 and torch.equal(loaded["torch_rng"], state["torch_rng"])
+    for p in model.parameters():
+        assert torch.equal(fresh.state[p]["exp_avg"], opt.state[p]["exp_avg"])
+
+
 def test_a_folder_without_its_tokenizer_or_with_torn_weights_is_one_line_naming_it(tmp_path):
     # were transformers' ValueError (five lines, naming no folder, suggesting sentencepiece) and safetensors' own
     # error type, which train.py's `except (ValueError, OSError)` let through as a traceback
