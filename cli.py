@@ -303,14 +303,14 @@ def check_args(args):
         raise ValueError("--distill trains an adapter for a sparse sampler; --policy full samples densely")
     # a training flag that the run's other settings never read: was accepted, silently ignored (an evaluation,
     # --steps 0, takes every training flag: evaluate.py passes a run's own)
-    unread = dict(downsample=("max-variance", args.keep == args.group_size, "--keep below --group-size"),
-                  veto=(1e-4, args.correction != "sparse-rl", "--correction sparse-rl"),
-                  cap=(1.5, args.correction == "none", "--correction tis or sparse-rl"),
-                  distill_lambda=(distill.LAMBDA, args.distill != "ppo-kl", "--distill ppo-kl"),
-                  lora_rank=(8, args.distill == "off", "--distill"),
-                  lora_lr_scale=(distill.LR_SCALE, args.distill == "off", "--distill"))
-    for name, (default, unused, needs) in unread.items():
-        if args.steps > 0 and unused and getattr(args, name) != default:
+    unread = dict(downsample=(args.keep == args.group_size, "--keep below --group-size"),
+                  veto=(args.correction != "sparse-rl", "--correction sparse-rl"),
+                  cap=(args.correction == "none", "--correction tis or sparse-rl"),
+                  distill_lambda=(args.distill != "ppo-kl", "--distill ppo-kl"),
+                  lora_rank=(args.distill == "off", "--distill"), lora_lr_scale=(args.distill == "off", "--distill"))
+    defaults = vars(parse_args([]))                   # the parser's own: none of these six depends on the preset
+    for name, (unused, needs) in unread.items():
+        if args.steps > 0 and unused and getattr(args, name) != defaults[name]:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: only {needs} reads it (leave it out)")
     if (args.eval_policies or args.eval_budgets) and args.steps > 0:
         raise ValueError("--eval-policies and --eval-budgets go with --steps 0 (evaluate only)")
