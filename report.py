@@ -165,8 +165,8 @@ def mean_std(values):
 
 
 def seconds(line):
-    """Training seconds of one step: sampling, dense re-scoring, update (no warm-up, no evaluation)."""
-    return line["rollout_s"] + line["scoring_s"] + line["update_s"]
+    """Training seconds of one step: sampling, re-scoring, update (a DistillSparse adapter's too); no evaluation."""
+    return line["rollout_s"] + line["scoring_s"] + line["update_s"] + line.get("distill_s", 0)
 
 
 def last_steps(runs):
@@ -204,7 +204,7 @@ def comparison_rows(groups, robust=None):
                 f"{np.mean([total('vetoed', ms) for ms in metrics]):.1f}",
                 f"{np.mean([sum(map(seconds, ms)) for ms in metrics]):.0f}"]
         row += [f"{per_step(f):.2f}" for f in (seconds, lambda m: m["rollout_s"], lambda m: m["scoring_s"],
-                                                lambda m: m["update_s"])]
+                                                lambda m: m["update_s"] + m.get("distill_s", 0))]  # the adapter too
         rows.append(row)
     return rows
 

@@ -520,3 +520,17 @@ def test_help_shows_the_value_each_flag_takes(command, required, capsys):
         if f"--{name.replace('_', '-')}" in required:
             continue
         assert f"(default: {value})" in text or f"{value} (the default)" in text, name
+
+
+def test_a_distill_runs_adapter_step_counts_in_its_train_time(tmp_path):
+    # a DistillSparse step logs the adapter's seconds apart (distill_s, after update_s): each of these 2 steps is
+    # 1 + 1 + 1 + 3 = 6 s, so 12 s in all, update 4.00 a step, and 6 s to reach the baseline's 0.7 at step 2
+    # against sparse-rl's 2 x 3 = 6 s: 0.50x. Without distill_s: 6 s, 3.00 and 1.00, 1.00x (as cheap as sparse-rl)
+    evals = [(0, .5, .5), (2, .7, .7)]
+    steps = lambda **extra: [{**line(s, 100, 0, 0, 1, 1, (1, 1, 1), [1.0]), **extra} for s in (1, 2)]
+    groups = {"sparse-rl": [report.read_run(write_run(tmp_path / "sparse-rl-s0", steps(), evals))],
+              "distill": [report.read_run(write_run(tmp_path / "distill-s0", steps(distill_s=3), evals))]}
+    rows = {r[0]: r for r in report.comparison_rows(groups)}
+    assert rows["sparse-rl"][-5:] == ["6", "3.00", "1.00", "1.00", "1.00"]
+    assert rows["distill"][-5:] == ["12", "6.00", "1.00", "1.00", "4.00"]
+    assert report.reach_rows(groups)[2] == [("sparse-rl", 2, 6.0, 1.0), ("distill", 2, 12.0, 0.5)]
