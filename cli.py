@@ -65,14 +65,20 @@ def preset(argv):
     p.add_argument("--device")
     p.add_argument("--task", default="pick")                          # a bad name: the full parser says so
     known, _ = p.parse_known_args(argv)
+    task = known.task if known.task in TASKS else "pick"
+    digits = dict(digits=task_digits(task))   # a --model on a toy task (no --data) plays it at its own lengths too
     if known.model is None and known.data is None:
-        task = known.task if known.task in TASKS else "pick"
-        return dict(TOY_TASKS[task], digits=list(get_task(task).lengths))
+        return TOY_TASKS[task] | digits
     if known.model == SMOLLM2 and known.data:
-        return CPU
+        return CPU | digits
     if known.model == SMOLLM2:
-        return GPU if known.device == "cuda" else ARITHMETIC
-    return PAPER
+        return (GPU if known.device == "cuda" else ARITHMETIC) | digits
+    return PAPER | digits
+
+
+def task_digits(task):
+    """[MIN, MAX] digits of a toy task's prompts when no --digits is given: the task's own `lengths`."""
+    return list(get_task(task).lengths)
 
 
 TRAIN_HELP = ("Sparse-RL: GRPO on rollouts sampled through a compressed KV cache, corrected against dense re-scoring "
@@ -89,8 +95,8 @@ TRAINING_ONLY = ("captured", "temperature", "schedule", "controller", "bin_size"
 def parse_args(argv=None, description=TRAIN_HELP, hide=()):
     """The flags -> args (`--keep` and `--save-every` filled in); `description` heads `--help`, which leaves out
     the flags named in `hide` (evaluate.py's: its own description, no TRAINING_ONLY flag)."""
-    d = dict(TOY_TASKS["pick"], prompts=8, group_size=8, steps=200, eval_size=256, data=None, eval_data=None,
-             digits=list(get_task("pick").lengths)) | preset(argv)
+    d = dict(TOY_TASKS["pick"], prompts=8, group_size=8, steps=200, eval_size=256, data=None,
+             eval_data=None) | preset(argv)
     # a short usage line: argparse's own lists all 50 flags (27 lines) above every one-line error
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 usage="%(prog)s [--flag value ...]   (--help: every flag, with the value it will take)")
@@ -271,7 +277,7 @@ def check_args(args):
     if args.model is None and args.data is not None:
         raise ValueError("--data needs --model (the toy model only knows the toy task's characters)")
     toy_only = [f"--{k} {' '.join(map(str, v)) if k == 'digits' else v}" for k, default in
-                (("task", "pick"), ("reward", "task"), ("digits", list(get_task("pick").lengths)))
+                (("task", "pick"), ("reward", "task"), ("digits", task_digits(args.task)))
                 if (v := getattr(args, k)) != default]
     if args.data is not None and toy_only:                            # was: ignored, silently
         raise ValueError(f"{', '.join(toy_only)}: for the toy task only; --data brings its own prompts, its answers "

@@ -32,6 +32,9 @@ def test_the_paper_preset_is_sparse_rl_and_sparrow_as_method_md_gives_them():
 
 def test_toy_defaults_follow_the_task_and_save_every_a_quarter_of_the_steps():
     assert cli.parse_args(["--task", "sort"]).digits == [12, 20] and cli.parse_args([]).digits == [3, 6]
+    # a pretrained --model on a toy task (no --data) plays it at the task's lengths too, not pick's 3-6
+    assert cli.parse_args(["--model", "m", "--task", "reverse"]).digits == [12, 20]
+    assert cli.parse_args(["--model", "smollm2-135m", "--task", "sort"]).digits == [12, 20]
     save_every = lambda steps: cli.parse_args(["--steps", str(steps)]).save_every
     assert (save_every(40), save_every(400), save_every(2)) == (10, 50, 1)   # steps // 4, at most 50, at least 1
 
