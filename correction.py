@@ -399,6 +399,7 @@ def downsample(rewards, group_size, m, rule="max-variance", generator=None):
         chosen = r.argsort(dim=-1, descending=True, stable=True)[:, :m]
     else:
         sorted_r, order = r.sort(dim=-1, stable=True)                       # ascending
+        sorted_r = sorted_r - sorted_r.mean(-1, keepdim=True)   # variance ignores a shift; r^2 sums keep precision
         zero = r.new_zeros(r.shape[0], 1)
         S1 = torch.cat([zero, sorted_r.cumsum(-1)], -1)                       # [G, n + 1]
         S2 = torch.cat([zero, (sorted_r ** 2).cumsum(-1)], -1)

@@ -51,7 +51,8 @@ def test_downsample_max_variance_matches_brute_force(n):
     rng = np.random.default_rng(n)
     groups = [rng.normal(size=n), rng.uniform(0, 1, size=n), rng.integers(0, 2, size=n).astype(float),
               rng.integers(0, 2, size=n).astype(float), rng.integers(0, 3, size=n).astype(float),
-              np.zeros(n), np.r_[np.ones(n - 1), 0.0]]
+              np.zeros(n), np.r_[np.ones(n - 1), 0.0],
+              1e8 + rng.uniform(0, 1, size=n)]   # far from 0: sums of r^2 near 1e17 lose the spread (float64)
     rewards = torch.tensor(np.concatenate(groups))
     for m in range(1, n):
         idx = downsample(rewards, n, m).numpy()
