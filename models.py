@@ -12,7 +12,8 @@
   beside the trainer's state and the DistillSparse adapter; `--resume` starts from the last one, after
   `checkpoint_args` has read the settings it was made with.
 - `save_atomically`: every folder we write (checkpoints, the warm-up, the de-quantised copy) is
-  written under a temporary name and renamed into place, so a crash never leaves half a folder.
+  written under a temporary name, flushed to the disk and renamed into place, so a crash (or a power cut) never
+  leaves half a folder.
 
     from models import load_pretrained
     model, tokenizer = load_pretrained("smollm2-135m")        # eval mode, fp32, on the CPU
@@ -342,11 +343,26 @@ def load_checkpoint(folder, device, dtype):
     return model.to(device).eval(), state
 
 
+def to_disk(path):
+    """os.fsync a file or a folder (its list of names): what it holds is on the disk, not only in memory. Before a
+    rename publishes a new file, and after, on its folder: a power cut then shows the old name or the new one with
+    its whole contents, never the new name over an empty file. Windows opens no folder: skipped there."""
+    if os.name == "nt" and Path(path).is_dir():
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_text_atomically(path, text):
     """Write `text` to a file beside `path`, then rename it onto `path`: a kill mid-write keeps the old file whole."""
     tmp = Path(path).with_name(Path(path).name + ".tmp")
     tmp.write_text(text)
+    to_disk(tmp)
     os.replace(tmp, path)
+    to_disk(tmp.parent)
 
 
 def save_atomically(folder, write):
@@ -361,6 +377,8 @@ def save_atomically(folder, write):
     tmp.mkdir()
     try:
         write(tmp)
+        for path in [*tmp.rglob("*"), tmp]:
+            to_disk(path)
     except BaseException:   # a failed write leaves nothing behind (a kill still may: nothing reads *.tmp-*)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -369,5 +387,6 @@ def save_atomically(folder, write):
         old = Path(tempfile.mkdtemp(prefix=f"{folder.name}.old-", dir=folder.parent))
         os.replace(folder, old / folder.name)
     os.replace(tmp, folder)
+    to_disk(folder.parent)
     if old is not None:
         shutil.rmtree(old)

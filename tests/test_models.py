@@ -71,6 +71,22 @@ def test_save_atomically_replaces_an_existing_folder(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "step-000004.tmp-ab12"]
 
 
+def test_what_is_renamed_into_place_reaches_the_disk_first(tmp_path, monkeypatch):
+    # a rename publishes only what os.fsync flushed: else a power cut may show the new name over empty files
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(os.fstat(fd).st_ino), fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(f"-> {Path(b).name}"), replace(a, b)))
+    write = lambda tmp: ((tmp / "sub").mkdir(), (tmp / "sub" / "a.txt").write_text("x"), (tmp / "b.txt").write_text("y"))
+    models.save_atomically(tmp_path / "ckpt", write)
+    inode = lambda path: path.stat().st_ino                                   # a rename keeps it
+    at = events.index("-> ckpt")
+    assert {inode(p) for p in [tmp_path / "ckpt", *(tmp_path / "ckpt").rglob("*")]} <= set(events[:at])
+    assert events[at + 1:] == [inode(tmp_path)]                               # the folder's new name, after
+    events.clear()
+    models.write_text_atomically(tmp_path / "log.jsonl", "{}\n")
+    assert events == [inode(tmp_path / "log.jsonl"), "-> log.jsonl", inode(tmp_path)]
+
+
 def test_a_saved_folder_has_the_umask_mode_of_any_other(tmp_path):
     # was 0700 (tempfile.mkdtemp's), whatever the umask: a run folder shared in a course was its owner's alone
     umask = os.umask(0o022)
