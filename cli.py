@@ -170,7 +170,8 @@ def parse_args(argv=None, description=TRAIN_HELP, hide=()):
                    "the sparse sampler uses: PPO + lambda * KL to the dense policy, or the KL alone")
     g.add_argument("--lora-rank", type=int, default=8, help="rank of the adapter on every linear layer")
     g.add_argument("--lora-lr-scale", type=float, default=distill.LR_SCALE, help="adapter lr = --lr times this")
-    g.add_argument("--distill-lambda", type=float, default=distill.LAMBDA, help="weight of the KL term beside PPO (--distill ppo-kl; the KL alone has weight 1)")
+    g.add_argument("--distill-lambda", type=float, default=distill.LAMBDA,
+                   help="weight of the KL term beside PPO (--distill ppo-kl; the KL alone has weight 1)")
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=int, default=d["steps"], help="GRPO steps (smollm2-135m: 5; with "
                    "--device cuda 20); 0: evaluate only")
