@@ -117,7 +117,8 @@ def parse_args(argv=None, description=TRAIN_HELP, hide=()):
     g = p.add_argument_group("sparse rollout (kvcache.py)")
     g.add_argument("--policy", default="snapkv", choices=POLICIES, help="KV eviction policy of the sampler")
     g.add_argument("--budget", type=int, default=d["budget"], help="tokens kept per layer and KV head "
-                   "(pick 12, sort 24, smollm2-135m 128, else 512)")
+                   "(pick 12, sort 24, smollm2-135m 128, else 512; blocktopk evicts nothing: tokens attended, "
+                   "budget // page-size pages plus the first and the 2 newest)")
     g.add_argument("--interval", type=int, default=d["interval"], help="compress every N tokens over budget "
                    "(toy 4, smollm2-135m 32, else 128)")
     g.add_argument("--window", type=int, default=d["window"], help="recent tokens always kept (toy 4, else 8)")
@@ -155,7 +156,8 @@ def parse_args(argv=None, description=TRAIN_HELP, hide=()):
     g.add_argument("--keep", type=int, default=None, help="m rollouts per prompt trained on (PODS); none: all n")
     g.add_argument("--downsample", default="max-variance", choices=["max-variance", "max-reward", "random"],
                    help="which m of the n rollouts of a prompt are kept (with --keep)")
-    g.add_argument("--no-std", action="store_true", help="Dr. GRPO: advantages not divided by the group std")
+    g.add_argument("--no-std", action="store_true", help="advantages not divided by the group "
+                   "std (Dr. GRPO's advantage; its constant loss denominator is not implemented)")
     g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each batch of rollouts")
     g.add_argument("--minibatch", type=int, default=None, help="responses per AdamW step; none: all of a "
                    "step's rollouts, one AdamW step per batch")

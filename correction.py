@@ -274,7 +274,7 @@ def group_advantages(rewards, group_size, scale=True, eps=1e-4):
 
     rewards: [N], rows g*group_size .. (g+1)*group_size - 1 answer prompt g.
         A_i = (r_i - mean_g) / (std_g + eps)     scale=True (GRPO; PODS uses eps 1e-4)
-        A_i =  r_i - mean_g                      scale=False (Dr. GRPO, `--no-std`)
+        A_i =  r_i - mean_g                      scale=False (`--no-std`: Dr. GRPO's advantage)
     std is the sample std, Bessel-corrected (divides by n - 1), as PODS, TRL, verl and slime compute
     it: a group of two rewards {0, 1} gets A = +-0.707. A group whose rewards are all equal (a
     group of one too) carries no signal: its advantages are exactly 0, not NaN (section 8).
