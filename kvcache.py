@@ -30,6 +30,7 @@ head's best pages (`policies.top_pages`) and attends to those only (compute, not
 `SparseConfig.schedule` (schedule.py) sets the budget from the context length.
 """
 import inspect
+import numbers
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -53,6 +54,19 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
+def check_number(name, value, low, high, integer=True):
+    """A ValueError naming the field, its value and what it allows, unless `value` is a number (an int if `integer`)
+    in [low, high]. None or a string would fail later as a bare TypeError from a comparison; a bool is refused
+    though Python counts True as 1; NaN fails every comparison, inf the upper bound (DENSE: larger integers
+    overflowed a long mid-rollout)."""
+    if not isinstance(value, int if integer else numbers.Real) or isinstance(value, bool) or not low <= value:
+        allowed = f"{'a positive' if low else 'a non-negative'} integer" if integer else f"a number in [{low}, {high}]"
+        raise ValueError(f"{name} must be {allowed}, got {value!r:.40}")
+    if value > high:
+        raise ValueError(f"{name} must be at most {'2**40 (DENSE: never evicts)' if high == DENSE else high}, "
+                         f"got {value!r:.40}")
+
+
 @dataclass
 class SparseConfig:
     """How the rollout's KV cache is compressed. Defaults: Sparse-RL's official settings."""
@@ -72,12 +86,11 @@ class SparseConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; allowed: {', '.join(POLICIES)}")
         for name, least in dict(budget=1, interval=1, window=1, kernel=1, page_size=1, sink=0, dense_layers=0).items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be a {'positive' if least else 'non-negative'} integer, got {value!r}")
-        for name in ("budget", "interval", "window", "sink", "page_size"):
-            if getattr(self, name) > DENSE:
-                raise ValueError(f"{name} must be at most 2**40 (DENSE: never evicts), got {getattr(self, name)}")
+            check_number(name, getattr(self, name), least, DENSE)
+        check_number("lam", self.lam, 0, 1, integer=False)
+        if self.schedule is not None and not (callable(self.schedule) and hasattr(self.schedule, "budgets")):
+            raise ValueError(f"schedule must be a schedule.Schedule or Controller (None: the fixed budget), "
+                             f"got {self.schedule!r:.80}")
         budget = min([self.budget] if self.schedule is None else [b for b in self.schedule.budgets if b],
                      default=self.min_budget)
         if budget < self.min_budget and self.policy != "full":             # full keeps everything: no budget
@@ -85,8 +98,6 @@ class SparseConfig:
                              self.policy == "blocktopk" else f"window + sink = {self.window} + {self.sink}"))
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd so pooling keeps the sequence length, got {self.kernel}")
-        if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"lam must lie in [0, 1], got {self.lam}")
 
     @property
     def min_budget(self):

@@ -301,7 +301,7 @@ def test_blocktopk_pages_match_a_brute_force_choice(schedule):
     (dict(window=0), "window must be a positive integer"),
     (dict(sink=-1), "sink must be a non-negative integer"),
     (dict(kernel=4), "kernel must be odd"),
-    (dict(lam=1.5), "lam must lie in \\[0, 1\\]"),
+    (dict(lam=1.5), "lam must be at most 1, got 1.5"),
     (dict(policy="blocktopk", budget=8, page_size=16), "budget=8 must be >= page_size = 16"),
     (dict(page_size=0), "page_size must be a positive integer"),
     (dict(dense_layers=-1), "dense_layers must be a non-negative integer"),
@@ -309,6 +309,23 @@ def test_blocktopk_pages_match_a_brute_force_choice(schedule):
     (dict(kernel=-1), "kernel must be a positive integer, got -1"),           # odd, yet no pooling width
     (dict(budget=2 ** 64), "budget must be at most 2\\*\\*40 \\(DENSE: never evicts\\), got 18446744073709551616"),
     (dict(interval=2 ** 63), "interval must be at most 2\\*\\*40"),            # else an OverflowError mid-rollout
+
+    # no number where one is meant: a bare TypeError from a comparison, or taken (True as a budget of 1)
+    (dict(lam=None), "^lam must be a number in \\[0, 1\\], got None$"),
+    (dict(lam="0.1"), "^lam must be a number in \\[0, 1\\], got '0.1'$"),
+    (dict(lam=float("nan")), "^lam must be a number in \\[0, 1\\], got nan$"),
+    (dict(lam=float("inf")), "^lam must be at most 1, got inf$"),
+    (dict(lam=True), "^lam must be a number in \\[0, 1\\], got True$"),
+    (dict(budget=None), "^budget must be a positive integer, got None$"),
+    (dict(budget=True), "^budget must be a positive integer, got True$"),
+    (dict(interval=True), "^interval must be a positive integer, got True$"),
+    (dict(window="8"), "^window must be a positive integer, got '8'$"),
+    (dict(sink=False), "^sink must be a non-negative integer, got False$"),
+    (dict(kernel=float("inf")), "^kernel must be a positive integer, got inf$"),
+    (dict(page_size=float("nan")), "^page_size must be a positive integer, got nan$"),
+    (dict(dense_layers=True), "^dense_layers must be a non-negative integer, got True$"),
+    (dict(dense_layers=2 ** 70), "^dense_layers must be at most 2\\*\\*40"),
+    (dict(schedule=512), "^schedule must be a schedule.Schedule or Controller \\(None: the fixed budget\\), got 512$"),
 ])
 def test_bad_config_is_a_clear_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
