@@ -241,8 +241,9 @@ def compress(layer, sparse, rows, salt, count, n, scaling):
 
 def to_device(host, device):
     """A small host tensor on `device` without a sync: a copy from pageable memory would make the host
-    wait for the GPU's queue to drain, one from pinned memory runs in the background."""
-    return host if device.type != "cuda" else host.pin_memory().to(device, non_blocking=True)
+    wait for the GPU's queue to drain, one from pinned memory runs in the background. Any other device
+    (a CPU: no copy; MPS, XPU) takes a plain copy."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 # ----------------------------------------------------------------------------- attention

@@ -543,3 +543,13 @@ def test_defaults_are_the_official_settings_and_the_smallest_budget_is_allowed()
     # a budget of exactly window + sink (one page for blocktopk) still leaves the policy a choice
     assert SparseConfig("snapkv", budget=12, window=8, sink=4).budget == 12
     assert SparseConfig("blocktopk", budget=16, page_size=16).budget == 16
+
+
+def test_the_host_bookkeeping_reaches_any_device():
+    # a compressing step sends its due rows, salt and counts to the cache's device; anything but CUDA got the host
+    # tensor back, so on MPS or XPU the first compression mixed devices ("Tensor on device cpu is not on the expected
+    # device"). The meta device stands in for them here
+    moved = kvcache.to_device(torch.tensor([3, 2]), torch.device("meta"))
+    assert moved.device.type == "meta"
+    host = torch.tensor([3, 2])
+    assert kvcache.to_device(host, torch.device("cpu")) is host           # a CPU cache: no copy at all
