@@ -55,10 +55,8 @@ CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).pa
 
 
 def check_number(name, value, low, high, integer=True):
-    """A ValueError naming the field, its value and what it allows, unless `value` is a number (an int if `integer`)
-    in [low, high]. None or a string would fail later as a bare TypeError from a comparison; a bool is refused
-    though Python counts True as 1; NaN fails every comparison, inf the upper bound (DENSE: larger integers
-    overflowed a long mid-rollout)."""
+    """A ValueError naming the field, its value and what it allows, unless `value` is a number (an int if `integer`,
+    never a bool, which Python counts as 1) in [low, high]. NaN fails every comparison, inf the upper bound."""
     if not isinstance(value, int if integer else numbers.Real) or isinstance(value, bool) or not low <= value:
         allowed = f"{'a positive' if low else 'a non-negative'} integer" if integer else f"a number in [{low}, {high}]"
         raise ValueError(f"{name} must be {allowed}, got {value!r:.40}")
@@ -303,8 +301,7 @@ def attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=N
 
 
 class KVCache(Cache):
-    """A transformers `Cache` that keeps at most `budget + interval` tokens per layer and KV head (a longer
-    prompt whole, until the first decode step compresses it).
+    """A transformers `Cache` of the kept tokens, as the module docstring says.
 
     The caller announces each forward pass with `start_step(positions)`; the model then calls
     `update` (store the new keys and values) and our attention hook calls `attend` (compress
@@ -330,10 +327,8 @@ class KVCache(Cache):
         """Announce the next forward pass: positions [B, q] of its tokens (-1 for padding); the prompt, then q = 1.
 
         Decides on the host which rows compress at this step (`due`, `compress_args`), whether the layers remember
-        the step's query (`remembering`) and, for block top-k, how many pages each row attends (`top`).
-        Each row counts its own tokens, so a row's rollout does not depend on how long the other prompts
-        of its batch are. A decode step feeds one real token per row, so it reads nothing back from the
-        device; the prefill reads its rows' real-token counts once.
+        the step's query (`remembering`) and, for block top-k, how many pages each row attends (`top`). A decode
+        step feeds one real token per row, so it reads nothing back; the prefill reads its real-token counts once.
         """
         sparse, q = self.sparse, positions.shape[1]
         if self.layers and q != 1:   # a prefill's rules (no compression, every head's slots alike) would not hold
@@ -457,17 +452,13 @@ def sparse_attention_forward(module, query, key, value, attention_mask, scaling=
 AttentionInterface.register("sparse_kv", sparse_attention_forward)
 
 
-def check_model(model):
-    """Raise a clear error for architectures whose attention we have not verified."""
+@contextmanager
+def sparse_attention(model):
+    """Route the model's attention through `sparse_attention_forward` (SDPA without cuDNN) for a block; a clear
+    error for architectures whose attention we have not verified."""
     model_type = getattr(model.config, "model_type", None)
     if model_type not in SUPPORTED_MODELS:
         raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODELS)}")
-
-
-@contextmanager
-def sparse_attention(model):
-    """Route the model's attention through `sparse_attention_forward` (SDPA without cuDNN) for a block."""
-    check_model(model)
     previous = model.config._attn_implementation
     model.set_attn_implementation("sparse_kv")
     try:
