@@ -301,7 +301,8 @@ def attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=N
 
 
 class KVCache(Cache):
-    """A transformers `Cache` of the kept tokens, as the module docstring says.
+    """A transformers `Cache` that keeps at most `budget + interval` tokens per layer and KV head (a longer
+    prompt whole, until the first decode step compresses it).
 
     The caller announces each forward pass with `start_step(positions)`; the model then calls
     `update` (store the new keys and values) and our attention hook calls `attend` (compress
@@ -327,8 +328,10 @@ class KVCache(Cache):
         """Announce the next forward pass: positions [B, q] of its tokens (-1 for padding); the prompt, then q = 1.
 
         Decides on the host which rows compress at this step (`due`, `compress_args`), whether the layers remember
-        the step's query (`remembering`) and, for block top-k, how many pages each row attends (`top`). A decode
-        step feeds one real token per row, so it reads nothing back; the prefill reads its real-token counts once.
+        the step's query (`remembering`) and, for block top-k, how many pages each row attends (`top`).
+        Each row counts its own tokens, so a row's rollout does not depend on how long the other prompts
+        of its batch are. A decode step feeds one real token per row, so it reads nothing back from the
+        device; the prefill reads its rows' real-token counts once.
         """
         sparse, q = self.sparse, positions.shape[1]
         if self.layers and q != 1:   # a prefill's rules (no compression, every head's slots alike) would not hold
