@@ -769,13 +769,19 @@ def test_the_summary_prints_the_numbers_of_its_history_by_hand(tmp_path, capsys)
     assert "the correction's rejection: none (only --correction sparse-rl rejects)" in lines
 
 
+def drawings(capsys):
+    """What tqdm drew on stderr, one drawing a line: it redraws a bar after a carriage return, and a `.` of the
+    patterns below would match across it, joining one drawing's count to the next one's numbers (tqdm 4.70
+    draws "0/3 [...]" then, after a "\\r", "1/3 [..., reward=...]")."""
+    return capsys.readouterr().err.replace("\r", "\n")
+
+
 def test_the_progress_bar_shows_each_steps_numbers_beside_its_own_count(tmp_path, warm, capsys):
     # Was: set_postfix redrew the bar before its count moved on, so step 1's reward showed at "0/3", and step 2's at
     # "1/3" all through step 2's evaluation (and a checkpoint, for a real model minutes). Every bar drawn with numbers
     # must show, at count k, those of metrics.jsonl's step k.
     _, _, lines = run_in(tmp_path, warm, "--steps", "3", "--eval-every", "2", "--save-every", "1")
-    drawn = re.findall(r"GRPO:.*? (\d+)/3 .*?acc=([\d.]+), dropped=([\d.]+), reward=([\d.]+)\]",
-                       capsys.readouterr().err)
+    drawn = re.findall(r"GRPO:.*? (\d+)/3 .*?acc=([\d.]+), dropped=([\d.]+), reward=([\d.]+)\]", drawings(capsys))
     assert drawn and {k for k, *_ in drawn} >= {"3"}
     for k, acc, dropped, reward in drawn:
         assert int(k) >= 1, f"a step's numbers drawn at count {k}: reward {reward}"
@@ -791,7 +797,7 @@ def test_a_resumed_runs_bar_counts_on_from_its_checkpoint_beside_each_steps_numb
     capsys.readouterr()
     _, _, lines = run_in(tmp_path, warm, "--steps", "4", "--eval-every", "2", "--save-every", "2", "--resume")
     drawn = re.findall(r"GRPO:.*? (\d+)/(\d+) .*?acc=([\d.]+), dropped=([\d.]+), reward=([\d.]+)\]",
-                       capsys.readouterr().err)
+                       drawings(capsys))
     assert ("4", "4") in {(k, total) for k, total, *_ in drawn}    # tqdm may skip drawing 3/4: a fast step
     for k, total, acc, dropped, reward in drawn:
         step = lines[int(k) - 1]
