@@ -19,7 +19,7 @@ greedily through the run's cache at budget B (SnapKV for a dense run; theta alon
 adapter): Sparse-RL's claim that a model trained on sparse rollouts holds up better under sparse inference.
 gpu_smollm2.sh reads its SmolLM2 runs the same way.
 
-`keeps`: which positions of one toy rollout each policy keeps, step by step (a PNG, --out; the table on stdout).
+keeps.py draws which positions of one toy rollout each policy keeps.
 """
 import argparse
 import json
@@ -30,8 +30,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import cli
@@ -40,11 +38,9 @@ import train
 from correction import ALPHA_TOPK
 from evaluate import accuracy, eval_rewards, run_inference, run_reward
 from kvcache import POLICIES, SparseConfig
-from models import (CACHE_DIR, DTYPES, SMOLLM2, autocast, last_checkpoint, load_pretrained, pick_device,
-                    toy_settings)
-from sampler import generate
+from models import CACHE_DIR, DTYPES, SMOLLM2, autocast, last_checkpoint, load_pretrained, pick_device
 from schedule import THRESHOLD
-from tasks import TOY_TASKS, encode_prompt, held_out_examples, load_jsonl, numeric_reward
+from tasks import load_jsonl, numeric_reward
 
 
 def parse_args(argv=None):
@@ -77,14 +73,6 @@ def parse_args(argv=None):
                    help="also evaluate each final model greedily through the run's cache at budget B")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto (the default): CUDA if torch sees a GPU")
-    g = commands.add_parser("keeps", help="a picture: which positions of one toy rollout each policy keeps, step by step",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g.add_argument("--model", default="out/warmup", help="a toy model folder with its warmup.json (python train.py)")
-    g.add_argument("--policies", nargs="+", default=["snapkv", "rkv", "h2o", "streaming", "random"],
-                   choices=[p for p in POLICIES if p not in ("full", "blocktopk")], help="a panel per policy")
-    g.add_argument("--budget", type=int, default=None, help="none: train.py's budget for the task")
-    g.add_argument("--example", type=int, default=0, help="which held-out prompt longer than budget + interval")
-    g.add_argument("--out", default="out/keeps.png", help="the PNG (needs matplotlib; without it, a warning)")
     return p.parse_args(argv)
 
 
@@ -390,88 +378,14 @@ def runs(args):
     return report_text(groups, args.robust_budgets, robust)
 
 
-# ----------------------------------------------------------------------------- keeps: a picture of eviction
-
-def kept_fractions(model, tokenizer, prompt, sparse, max_new_tokens):
-    """Greedy rollout of one prompt through `sparse`; -> (kept [steps, L]: the share of (layer, KV head) pairs
-    that held each position at each forward pass, response token ids). Step 0 is the prefill."""
-    out = generate(model, [encode_prompt(tokenizer, prompt)], sparse, max_new_tokens, temperature=0,
-                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, record=True)
-    L = len(encode_prompt(tokenizer, prompt)) + out.tokens.shape[1]
-    held = torch.stack([F.one_hot(k[:, 0].clamp(min=0), L + 1)[..., :L].masked_fill((k[:, 0] < 0)[..., None], 0)
-                        .amax(-2).float() for k in out.kept])        # [layers, steps, H_kv, L]: held or not
-    return held.mean((0, 2)), out.tokens[0, : int(out.mask.sum())].tolist()
-
-
-def keeps(args):
-    """Draw, for one held-out prompt of the warm-up's task, which positions each policy keeps at each step."""
-    settings = toy_settings(args.model, files=("warmup.json",), needs=("task", "digits", "seed"))
-    run = TOY_TASKS[settings["task"]]
-    cli.check_least(args, 1, ["budget"])
-    cli.check_least(args, 0, ["example"])
-    budget = args.budget or run["budget"]
-    configs = [SparseConfig(p, budget, run["interval"], run["window"], run["sink"]) for p in args.policies]
-    examples = held_out_examples(settings["task"], 256, settings["seed"], *settings["digits"])   # train.py's held-out
-    long = [e for e in examples if len(e["prompt"]) + 1 > budget + run["interval"]]
-    if not long:                                                      # before the model loads
-        raise ValueError(f"--budget {budget}: no held-out prompt is longer than the budget + interval "
-                         f"({run['interval']}), so none is compressed at its prefill: give a smaller --budget")
-    if args.example >= len(long):
-        raise ValueError(f"--example {args.example}: only {len(long)} held-out prompts are longer than the budget "
-                         f"({budget}) + interval ({run['interval']})")
-    model, tokenizer = load_pretrained(args.model)
-    example = long[args.example]
-    role = ["prompt"] + ["needed" if c.isdigit() else "distractor" if c.islower() else "prompt" for c in example["prompt"]]
-    share = lambda kept, r: kept[-1, :len(role)][torch.tensor([x == r for x in role])].mean().item()  # the last step
-    panels, rows = [], []
-    for sparse in configs:
-        kept, tokens = kept_fractions(model, tokenizer, example["prompt"], sparse, run["max_new_tokens"])
-        answer = tokenizer.decode(tokens, skip_special_tokens=True)
-        panels.append((sparse.policy, kept, answer))
-        rows.append([sparse.policy, repr(answer), f"{share(kept, 'needed'):.0%}", f"{share(kept, 'distractor'):.0%}"])
-    draw_keeps(panels, role, example, budget, args.out)
-    title = f"Prompt {example['prompt']!r}, answer {example['answer']!r}; {settings['task']} warm-up, budget {budget}"
-    header = ["policy", "its answer", "needed tokens held at the last step", "distractors held"]
-    return f"{title}\n\n{cli.markdown(header, rows)}"
-
-
-def draw_keeps(panels, role, example, budget, path):
-    """One panel per policy: x the forward pass (0: prefill), y the position; a dot where a token is held, its
-    colour the token's role and its opacity the share of layers and heads that hold it."""
-    if (plt := pyplot([path])) is None:
-        return
-    import matplotlib.ticker
-    colours = dict(needed="tab:green", distractor="tab:red", prompt="tab:grey", answer="tab:blue")
-    fig, axes = plt.subplots(1, len(panels), figsize=(2.6 * len(panels), 4.2), sharey=True, squeeze=False)
-    for ax, (policy, kept, answer) in zip(axes[0], panels):
-        steps, positions = kept.shape
-        for p in range(positions):
-            r = role[p] if p < len(role) else "answer"
-            alpha = kept[:, p].clamp(0, 1).numpy()
-            ax.scatter(range(steps), [p] * steps, s=14, c=colours[r], alpha=alpha, linewidths=0)
-        ax.set_title(f"{policy}\n-> {answer}", fontsize=9)
-        ax.set_xlabel("forward pass")
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    axes[0][0].set_ylabel("position")
-    for r, c in colours.items():
-        axes[0][-1].scatter([], [], c=c, label=r)
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"{example['prompt']} -> {example['answer']} (budget {budget})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv=None):
     args = parse_args(argv)
     start = time.time()
     try:
-        cli.check_values(args, unchecked=("limit", "budgets", "robust_budgets", "budget"))   # any size: all
-        if args.command == "keeps":
-            cli.check_out_file(args.out, "a file name (a .png)")
+        cli.check_values(args, unchecked=("limit", "budgets", "robust_budgets"))   # any size: all
         if args.command == "runs":                                     # PREFIX.md beside a folder PREFIX is fine
             cli.check_out_file(args.out, "a file name prefix", prefix=True)
-        table = dict(inference=inference, runs=runs, keeps=keeps)[args.command](args)
+        table = dict(inference=inference, runs=runs)[args.command](args)
     except (ValueError, OSError) as error:
         sys.exit(f"error: {error}")
     text = (f"`python report.py {' '.join(sys.argv[1:] if argv is None else argv)}`, "

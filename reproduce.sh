@@ -129,7 +129,7 @@ report() {   # results/<experiment>.md with PNGs (results/<experiment>_*.png), a
     python report.py runs "$OUT"/{sparse-rl,policy-rkv,policy-h2o,policy-streaming,policy-random}-s? --out results/policies
     python report.py runs "$OUT"/{dense,pods16to8}-s? --out results/pods
     python report.py runs "$OUT"/sort-{dense,naive,tis,sparse-rl}-s? --robust-budgets 24 20 --out results/sort
-    python report.py keeps --model "$OUT/warmup-pick-s0" --out results/keeps.png > results/keeps.md
+    python keeps.py --model "$OUT/warmup-pick-s0" --out results/keeps.png > results/keeps.md
     local log                   # the budgets that hold 0.86, and what the cost model predicts for each schedule
     for log in "$OUT"/calibrate-s?.log "$OUT"/calibrate-distill{,-kl}-s?-{off,on}.log; do
         local json=$(sed -n 's/^wrote //p' "$log")

@@ -481,7 +481,7 @@ def test_a_cache_dir_that_is_a_file_or_empty_and_a_gguf_file_beside_smollm2_are_
     ('{"task": "pick", "digits": [3, true]}', "digits must be \\[MIN, MAX\\], two integers"),   # JSON's true is no 1
 ])
 def test_toy_settings_names_a_file_that_holds_no_toy_run(tmp_path, text, message):
-    # the one reader of warmup.json / args.json for schedule.py --calibrate and report.py keeps: each was a traceback
+    # the one reader of warmup.json / args.json for schedule.py --calibrate and keeps.py: each was a traceback
     (tmp_path / "s.json").write_text(text)
     with pytest.raises(ValueError, match=message):
         models.toy_settings(tmp_path, files=("s.json",))

@@ -51,7 +51,7 @@ def test_reading_order_line_numbers_name_the_functions_they_say():
 
 # ----------------------------------------------------------------------------- the commands the docs show
 
-SCRIPTS = ("train", "evaluate", "schedule", "bench", "report", "bench_static", "lab")
+SCRIPTS = ("train", "evaluate", "schedule", "bench", "report", "keeps", "bench_static", "lab")
 CALL = re.compile(r"python3? (\w+)\.py\b([^`#\n|;&]*)")
 PLACEHOLDERS = {"N": "1", "S": "0", "FILE.json": "results/schedule.json", "PATH": "out"}   # the docs' "any such value"
 

@@ -4,7 +4,6 @@ import json
 import sys
 
 import pytest
-import torch
 
 import report
 import train
@@ -109,8 +108,6 @@ def test_without_matplotlib_each_png_asked_for_is_named_in_one_warning_line(runs
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: matplotlib is not installed")
     assert all(f"without_{name}.png" in err[0] for name in ("reward", "accuracy", "tail"))
-    report.draw_keeps([], [], {}, 6, tmp_path / "keeps.png")             # what `report.py keeps` draws with
-    assert capsys.readouterr().err.count("keeps.png not written") == 1 and not (tmp_path / "keeps.png").exists()
 
 
 def test_reaching_the_baseline_counts_evaluations_after_step_0_only():
@@ -208,23 +205,14 @@ def test_a_run_whose_data_file_is_gone_is_named_before_any_model_is_loaded(tmp_p
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["inference", "--adapter", "no-such.safetensors"], "--adapter 'no-such.safetensors': no such file"),
-    (["keeps", "--budget", "0"], "--budget must be >= 1, got 0$"),
-    (["keeps", "--example", "-1"], "--example must be >= 0, got -1$"),
-    (["inference", "--adapter", ""], "--adapter is empty: give a value, or leave the flag out"),   # was: no adapter, silently
-    (["keeps", "--out", ""], "--out is empty: give a value, or leave the flag out"),              # was: ./.png
-    (["keeps", "--out", "."], "--out '.' is a folder; give a file name \\(a .png\\)"),      # was: ./..png
-    (["keeps", "--budget", "1000"], "--budget 1000: no held-out prompt is longer than the budget \\+ interval "
-                                    "\\(4\\), so none is compressed at its prefill: give a smaller --budget$"),
+    (["--adapter", "no-such.safetensors"], "--adapter 'no-such.safetensors': no such file"),
+    (["--adapter", ""], "--adapter is empty: give a value, or leave the flag out"),   # was: no adapter, silently
 ])
-def test_inference_and_keeps_refuse_bad_flags_before_loading(tmp_path, monkeypatch, argv, message):
-    monkeypatch.chdir(tmp_path)                     # --out's default folder, out/, is made before some refusals
-    (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4], seed=0)))
+def test_inference_refuses_bad_flags_before_loading(tmp_path, monkeypatch, argv, message):
     (tmp_path / "q.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
     monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
-    where = ["--data", str(tmp_path / "q.jsonl")] if argv[0] == "inference" else []
     with pytest.raises(SystemExit, match=message):
-        report.main(argv + ["--model", str(tmp_path)] + where)
+        report.main(["inference", *argv, "--model", str(tmp_path), "--data", str(tmp_path / "q.jsonl")])
 
 
 def test_runs_refuses_an_empty_out_prefix_or_one_without_a_name(tmp_path):
@@ -245,29 +233,6 @@ def test_a_huge_limit_or_budget_passes_the_checks(tmp_path, monkeypatch):
     with pytest.raises(pytest.fail.Exception, match="a model was loaded"):
         report.main(["inference", "--data", str(tmp_path / "q.jsonl"), "--limit", str(2 ** 40), "--budgets",
                      str(2 ** 40)])
-
-
-@pytest.mark.parametrize("text, message", [                        # models.toy_settings' cases: tests/test_models.py
-    ("{bad", "cannot read .*warmup.json: Expecting"),
-    ('{"task": "pick", "digits": [3, 4]}', "holds no toy run's settings: a JSON object with task, digits, seed$"),
-])
-def test_keeps_names_a_warmup_json_that_holds_no_warm_up(tmp_path, monkeypatch, text, message):
-    monkeypatch.chdir(tmp_path)                     # --out's default folder, out/, is made before some refusals
-    (tmp_path / "warmup.json").write_text(text)                       # each was a traceback or an unnamed JSON error
-    monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
-    with pytest.raises(SystemExit, match=message):
-        report.main(["keeps", "--model", str(tmp_path)])
-
-
-def test_keeps_without_a_warm_up_names_the_folder_and_the_one_to_pass(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)                     # --out's default folder, out/, is made before some refusals
-    monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
-    (tmp_path / "args.json").write_text('{"task": "pick", "digits": [3, 6], "seed": 0}')   # a run's: no warm-up
-    with pytest.raises(SystemExit, match=f"^error: --model '{tmp_path}' holds no warmup.json: give the folder of a "
-                                         "toy warm-up \\(`python train.py` makes out/warmup\\)$"):
-        report.main(["keeps", "--model", str(tmp_path)])
-    with pytest.raises(SystemExit, match=f"^error: --model '{tmp_path / 'x'}': no such folder; run `python train.py`"):
-        report.main(["keeps", "--model", str(tmp_path / "x")])
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -317,30 +282,6 @@ def test_robust_budgets_reproduce_the_runs_own_final_evaluations(tmp_path, capsy
     assert comparison["tiny"][8:10] == [f"{sparse:.3f} ± 0.000", f"{final['dense']:.3f} ± 0.000"]
 
 
-def test_keeps_counts_the_layers_and_heads_that_hold_each_position(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
-    folder = tmp_path / "run"
-    train.main(SMALL + ["--steps", "0", "--out", str(folder)])          # makes the small sort warm-up
-    model, tokenizer = report.load_pretrained(str(folder / "warmup"))
-    sparse = SparseConfig("snapkv", 10, 2, 2, 2)
-    prompt = "S" + "31415926" + "="
-    kept, tokens = report.kept_fractions(model, tokenizer, prompt, sparse, 10)
-    # the same from the cache's own history, by hand: a position counts where a (layer, head) holds it
-    out = report.generate(model, [report.encode_prompt(tokenizer, prompt)], sparse, 10, temperature=0,
-                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, record=True)
-    history = out.stats["cache"].history
-    for step in range(kept.shape[0]):
-        for position in range(kept.shape[1]):
-            held = [position in layer[step][0, h].tolist() for layer in history for h in range(layer[step].shape[1])]
-            assert kept[step, position].item() == pytest.approx(sum(held) / len(held))
-    assert kept[-1, -3:].tolist() == [1.0, 1.0, 0.0]    # the window held; the last token is sampled, never fed
-    assert (kept[1:] < 1).any()                                          # and something was evicted
-    report.main(["keeps", "--model", str(folder / "warmup"), "--policies", "snapkv", "streaming", "--budget", "6",
-                 "--out", str(tmp_path / "keeps.png")])
-    assert (tmp_path / "keeps.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| streaming |" in capsys.readouterr().out
-
-
 def test_no_share_of_a_gain_within_the_noise(tmp_path):
     # the baseline's gains +0.1 and -0.05 (mean 0.025, std 0.106): a share of it would be a ratio to noise
     evals = lambda after: [(0, .5, .5), (3, after, after)]
@@ -351,13 +292,6 @@ def test_no_share_of_a_gain_within_the_noise(tmp_path):
     rows = {r[0]: r for r in report.comparison_rows(groups)}
     assert rows["base"][8] == "-" and rows["other"][8] == "-"
     assert rows["other"][7] == "0.200 ± 0.000"
-
-
-def test_an_out_under_a_file_is_one_clear_line_before_the_work(tmp_path, monkeypatch):
-    (tmp_path / "afile").write_text("")
-    monkeypatch.setattr(report, "keeps", lambda args: pytest.fail("the work started"))
-    with pytest.raises(SystemExit, match="^error: .*File exists"):
-        report.main(["keeps", "--out", str(tmp_path / "afile" / "k.png")])
 
 
 def test_inference_runs_the_first_limit_questions_and_compares_each_row_to_the_dense_one(tmp_path, monkeypatch, capsys):
@@ -440,36 +374,6 @@ def test_the_mean_curve_averages_the_steps_every_seed_logged():
     assert report.mean_curve(seeds, "dense") == [(0, pytest.approx(.4)), (2, pytest.approx(.7))]
 
 
-def test_keeps_draws_to_out_by_default():
-    # Pins keeps' default --out: out/keeps.png, not the committed results/keeps.png a bare run overwrote
-    assert report.parse_args(["keeps"]).out == "out/keeps.png"
-
-
-def test_keeps_takes_train_s_held_out_prompts_and_the_shares_of_the_last_step(tmp_path, monkeypatch, capsys):
-    # no model: the held-out examples and the kept fractions are stubbed. Prompt "Pabc123de=" (+ BOS at 0):
-    # digits at positions 5-7 are needed, the lower-case letters 2-4, 8, 9 distractors.
-    (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4], seed=7)))
-    made, drawn = [], []
-
-    def held_out_examples(task, n, seed, *digits):
-        made.append((task, n, seed, digits))                        # only the second and third are longer than
-        return [dict(prompt="P12=", answer="1"), dict(prompt="Pabc123de=", answer="2"),   # budget 6 + interval 4
-                dict(prompt="Pxyz999xy=", answer="9")]
-    kept = torch.ones(3, 13)                                        # steps 0 (prefill), 1, 2; 11 prompt + 2 answer
-    kept[1, 5:8] = 0                                                # step 1: no needed token held
-    kept[2] = torch.tensor([1, 1, 0, 0, .25, 1, 1, .25, .5, .5, 1, 1, 1])
-    tokenizer = type("T", (), dict(decode=lambda self, tokens, skip_special_tokens: "7"))()
-    monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: (None, tokenizer))
-    monkeypatch.setattr(report, "held_out_examples", held_out_examples)
-    monkeypatch.setattr(report, "kept_fractions", lambda model, tok, prompt, sparse, new: (drawn.append(prompt), (kept, [5]))[1])
-    monkeypatch.setattr(report, "draw_keeps", lambda *a: None)
-    report.main(["keeps", "--model", str(tmp_path), "--policies", "snapkv", "--budget", "6", "--out", str(tmp_path / "k.png")])
-    assert made == [("pick", 256, 7, (3, 4))]                       # train.py's held-out set for seed 7
-    assert drawn == ["Pabc123de="]
-    # the last step: needed (1 + 1 + .25) / 3 = 75 %; distractors (0 + 0 + .25 + .5 + .5) / 5 = 25 %
-    assert "| snapkv | '7' | 75% | 25% |" in capsys.readouterr().out
-
-
 def test_first_last_steps_span_the_earliest_and_latest_of_three_seeds(tmp_path):
     # Pins last_steps (sorted) and the "first-last" cell: seeds given ending at 10, 3 and 5 span "3-10" (not
     # "3-5", the two smallest, nor "10-5", the set's own order), and the note lists them in order
@@ -507,11 +411,10 @@ def test_a_damaged_args_json_is_one_line_naming_it(tmp_path, text, message):
     assert str(error.value) == message.format(path=ckpt / "args.json")
 
 
-@pytest.mark.parametrize("command, required", [("inference", ["--data", "q.jsonl"]), ("runs", ["--out", "r"]),
-                                               ("keeps", [])])
+@pytest.mark.parametrize("command, required", [("inference", ["--data", "q.jsonl"]), ("runs", ["--out", "r"])])
 def test_help_shows_the_value_each_flag_takes(command, required, capsys):
     # STYLE: `--help` shows the value each flag will take. argparse prints a default only beside a help text, so
-    # inference's --max-new-tokens, --policies and --dtype, keeps' --policies and runs' --device showed none
+    # inference's --max-new-tokens, --policies and --dtype and runs' --device showed none
     defaults = {k: v for k, v in vars(report.parse_args([command, *required])).items() if v not in (None, [], command)}
     with pytest.raises(SystemExit):
         report.parse_args([command, "--help"])

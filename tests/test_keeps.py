@@ -1,0 +1,131 @@
+"""keeps.py: the shares of layers and heads that hold each position, against the cache's own history on a tiny
+warm-up; the table's shares on stubbed kept fractions; the errors, each before any model is loaded."""
+import json
+import sys
+
+import pytest
+import torch
+
+import keeps
+import train
+from kvcache import SparseConfig
+from test_train import SMALL
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "0"], "--budget must be >= 1, got 0$"),
+    (["--example", "-1"], "--example must be >= 0, got -1$"),
+    (["--out", ""], "--out is empty: give a value, or leave the flag out"),              # was: ./.png
+    (["--out", "."], "--out '.' is a folder; give a file name \\(a .png\\)"),      # was: ./..png
+    (["--budget", "1000"], "--budget 1000: no held-out prompt is longer than the budget \\+ interval "
+                           "\\(4\\), so none is compressed at its prefill: give a smaller --budget$"),
+])
+def test_bad_flags_are_refused_before_loading(tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)                     # --out's default folder, out/, is made before some refusals
+    (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4], seed=0)))
+    monkeypatch.setattr(keeps, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit, match=message):
+        keeps.main(argv + ["--model", str(tmp_path)])
+
+
+@pytest.mark.parametrize("text, message", [                        # models.toy_settings' cases: tests/test_models.py
+    ("{bad", "cannot read .*warmup.json: Expecting"),
+    ('{"task": "pick", "digits": [3, 4]}', "holds no toy run's settings: a JSON object with task, digits, seed$"),
+])
+def test_a_warmup_json_that_holds_no_warm_up_is_named(tmp_path, monkeypatch, text, message):
+    monkeypatch.chdir(tmp_path)                     # --out's default folder, out/, is made before some refusals
+    (tmp_path / "warmup.json").write_text(text)                       # each was a traceback or an unnamed JSON error
+    monkeypatch.setattr(keeps, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit, match=message):
+        keeps.main(["--model", str(tmp_path)])
+
+
+def test_without_a_warm_up_the_folder_and_the_one_to_pass_are_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                     # --out's default folder, out/, is made before some refusals
+    monkeypatch.setattr(keeps, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
+    (tmp_path / "args.json").write_text('{"task": "pick", "digits": [3, 6], "seed": 0}')   # a run's: no warm-up
+    with pytest.raises(SystemExit, match=f"^error: --model '{tmp_path}' holds no warmup.json: give the folder of a "
+                                         "toy warm-up \\(`python train.py` makes out/warmup\\)$"):
+        keeps.main(["--model", str(tmp_path)])
+    with pytest.raises(SystemExit, match=f"^error: --model '{tmp_path / 'x'}': no such folder; run `python train.py`"):
+        keeps.main(["--model", str(tmp_path / "x")])
+
+
+def test_an_out_under_a_file_is_one_clear_line_before_the_work(tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(keeps, "keeps", lambda args: pytest.fail("the work started"))
+    with pytest.raises(SystemExit, match="^error: .*File exists"):
+        keeps.main(["--out", str(tmp_path / "afile" / "k.png")])
+
+
+def test_draws_to_out_by_default():
+    # Pins the default --out: out/keeps.png, not the committed results/keeps.png a bare run overwrote
+    assert keeps.parse_args([]).out == "out/keeps.png"
+
+
+def test_help_shows_the_value_each_flag_takes(capsys):
+    # STYLE: `--help` shows the value each flag will take. argparse prints a default only beside a help text, so
+    # --policies showed none
+    defaults = {k: v for k, v in vars(keeps.parse_args([])).items() if v is not None}
+    with pytest.raises(SystemExit):
+        keeps.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())                  # argparse wraps its lines anywhere
+    for name, value in defaults.items():
+        assert f"(default: {value})" in text, name
+
+
+def test_without_matplotlib_the_png_is_named_in_one_warning_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)                  # import matplotlib now fails
+    keeps.draw_keeps([], [], {}, 6, tmp_path / "keeps.png")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: matplotlib is not installed")
+    assert "keeps.png not written" in err[0] and not (tmp_path / "keeps.png").exists()
+
+
+def test_counts_the_layers_and_heads_that_hold_each_position(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    folder = tmp_path / "run"
+    train.main(SMALL + ["--steps", "0", "--out", str(folder)])          # makes the small sort warm-up
+    model, tokenizer = keeps.load_pretrained(str(folder / "warmup"))
+    sparse = SparseConfig("snapkv", 10, 2, 2, 2)
+    prompt = "S" + "31415926" + "="
+    kept, tokens = keeps.kept_fractions(model, tokenizer, prompt, sparse, 10)
+    # the same from the cache's own history, by hand: a position counts where a (layer, head) holds it
+    out = keeps.generate(model, [keeps.encode_prompt(tokenizer, prompt)], sparse, 10, temperature=0,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, record=True)
+    history = out.stats["cache"].history
+    for step in range(kept.shape[0]):
+        for position in range(kept.shape[1]):
+            held = [position in layer[step][0, h].tolist() for layer in history for h in range(layer[step].shape[1])]
+            assert kept[step, position].item() == pytest.approx(sum(held) / len(held))
+    assert kept[-1, -3:].tolist() == [1.0, 1.0, 0.0]    # the window held; the last token is sampled, never fed
+    assert (kept[1:] < 1).any()                                          # and something was evicted
+    keeps.main(["--model", str(folder / "warmup"), "--policies", "snapkv", "streaming", "--budget", "6",
+                "--out", str(tmp_path / "keeps.png")])
+    assert (tmp_path / "keeps.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| streaming |" in capsys.readouterr().out
+
+
+def test_takes_train_s_held_out_prompts_and_the_shares_of_the_last_step(tmp_path, monkeypatch, capsys):
+    # no model: the held-out examples and the kept fractions are stubbed. Prompt "Pabc123de=" (+ BOS at 0):
+    # digits at positions 5-7 are needed, the lower-case letters 2-4, 8, 9 distractors.
+    (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4], seed=7)))
+    made, drawn = [], []
+
+    def held_out_examples(task, n, seed, *digits):
+        made.append((task, n, seed, digits))                        # only the second and third are longer than
+        return [dict(prompt="P12=", answer="1"), dict(prompt="Pabc123de=", answer="2"),   # budget 6 + interval 4
+                dict(prompt="Pxyz999xy=", answer="9")]
+    kept = torch.ones(3, 13)                                        # steps 0 (prefill), 1, 2; 11 prompt + 2 answer
+    kept[1, 5:8] = 0                                                # step 1: no needed token held
+    kept[2] = torch.tensor([1, 1, 0, 0, .25, 1, 1, .25, .5, .5, 1, 1, 1])
+    tokenizer = type("T", (), dict(decode=lambda self, tokens, skip_special_tokens: "7"))()
+    monkeypatch.setattr(keeps, "load_pretrained", lambda *a, **k: (None, tokenizer))
+    monkeypatch.setattr(keeps, "held_out_examples", held_out_examples)
+    monkeypatch.setattr(keeps, "kept_fractions", lambda model, tok, prompt, sparse, new: (drawn.append(prompt), (kept, [5]))[1])
+    monkeypatch.setattr(keeps, "draw_keeps", lambda *a: None)
+    keeps.main(["--model", str(tmp_path), "--policies", "snapkv", "--budget", "6", "--out", str(tmp_path / "k.png")])
+    assert made == [("pick", 256, 7, (3, 4))]                       # train.py's held-out set for seed 7
+    assert drawn == ["Pabc123de="]
+    # the last step: needed (1 + 1 + .25) / 3 = 75 %; distractors (0 + 0 + .25 + .5 + .5) / 5 = 25 %
+    assert "| snapkv | '7' | 75% | 25% |" in capsys.readouterr().out
