@@ -7,7 +7,8 @@ its prefill is compressed) is answered greedily through each policy's cache. `ke
 history: at each forward pass (0: the prefill), the share of (layer, KV head) pairs that hold each position.
 `draw_keeps` draws one panel per policy (a PNG, --out; needs matplotlib), each dot coloured by the token's role:
 a digit the answer needs, a distractor letter, another prompt token, the answer. The table on stdout gives each
-policy's answer and the shares of the needed tokens and distractors held at the last step.
+policy's answer and the shares of the needed tokens and distractors held at the last step ("-" for sort and
+reverse, whose prompts hold no distractor).
 """
 import argparse
 import sys
@@ -47,6 +48,15 @@ def kept_fractions(model, tokenizer, prompt, sparse, max_new_tokens):
     return held.mean((0, 2)), out.tokens[0, : int(out.mask.sum())].tolist()
 
 
+def held_share(kept, role, which):
+    """The share of the prompt's `which` tokens held at the last step of `kept` [steps, L], as a percentage; "-"
+    where the prompt has none (sort and reverse have no distractors: a mean over no token is nan)."""
+    of_role = torch.tensor([r == which for r in role])
+    if not of_role.any():
+        return "-"
+    return f"{kept[-1, :len(role)][of_role].mean().item():.0%}"
+
+
 def keeps(args):
     """Draw, for one held-out prompt of the warm-up's task, which positions each policy keeps at each step."""
     settings = toy_settings(args.model, files=("warmup.json",), needs=("task", "digits", "seed"))
@@ -66,13 +76,13 @@ def keeps(args):
     model, tokenizer = load_pretrained(args.model)
     example = long[args.example]
     role = ["prompt"] + ["needed" if c.isdigit() else "distractor" if c.islower() else "prompt" for c in example["prompt"]]
-    share = lambda kept, r: kept[-1, :len(role)][torch.tensor([x == r for x in role])].mean().item()  # the last step
     panels, rows = [], []
     for sparse in configs:
         kept, tokens = kept_fractions(model, tokenizer, example["prompt"], sparse, run["max_new_tokens"])
         answer = tokenizer.decode(tokens, skip_special_tokens=True)
         panels.append((sparse.policy, kept, answer))
-        rows.append([sparse.policy, repr(answer), f"{share(kept, 'needed'):.0%}", f"{share(kept, 'distractor'):.0%}"])
+        rows.append([sparse.policy, repr(answer), held_share(kept, role, "needed"),
+                     held_share(kept, role, "distractor")])
     draw_keeps(panels, role, example, budget, args.out)
     title = f"Prompt {example['prompt']!r}, answer {example['answer']!r}; {settings['task']} warm-up, budget {budget}"
     header = ["policy", "its answer", "needed tokens held at the last step", "distractors held"]

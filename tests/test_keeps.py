@@ -129,3 +129,18 @@ def test_takes_train_s_held_out_prompts_and_the_shares_of_the_last_step(tmp_path
     assert drawn == ["Pabc123de="]
     # the last step: needed (1 + 1 + .25) / 3 = 75 %; distractors (0 + 0 + .25 + .5 + .5) / 5 = 25 %
     assert "| snapkv | '7' | 75% | 25% |" in capsys.readouterr().out
+
+
+def test_a_task_without_distractors_shows_none_held_as_a_dash(tmp_path, monkeypatch, capsys):
+    # sort's prompt "S31415926=" has no lower-case letter: the share of distractors held is of no token, and the
+    # table printed "nan%". The needed digits (positions 2-9, after BOS and the marker) hold 6 of 8 at the last step
+    (tmp_path / "warmup.json").write_text(json.dumps(dict(task="sort", digits=[4, 8], seed=0)))
+    kept = torch.ones(2, 13)                                        # steps 0 (prefill) and 1; 11 prompt + 2 answer
+    kept[1, 3:5] = 0
+    tokenizer = type("T", (), dict(decode=lambda self, tokens, skip_special_tokens: "7"))()
+    monkeypatch.setattr(keeps, "load_pretrained", lambda *a, **k: (None, tokenizer))
+    monkeypatch.setattr(keeps, "held_out_examples", lambda *a: [dict(prompt="S31415926=", answer="11345699")])
+    monkeypatch.setattr(keeps, "kept_fractions", lambda *a: (kept, [5]))
+    monkeypatch.setattr(keeps, "draw_keeps", lambda *a: None)
+    keeps.main(["--model", str(tmp_path), "--policies", "snapkv", "--budget", "6", "--out", str(tmp_path / "k.png")])
+    assert "| snapkv | '7' | 75% | - |" in capsys.readouterr().out
