@@ -429,10 +429,15 @@ def main(argv=None):
     if args.deadline is not None and not (args.gpu and args.deadline >= 0):
         parser.error(f"--deadline goes with --gpu and must be >= 0, got {args.deadline}"
                      + ("" if args.gpu else " without --gpu"))
+    # A model's JSON takes its whole folder or file name, less .gguf: the stem cut Qwen/Qwen3-0.6B and -0.6B-Base
+    # both to "Qwen3-0", so one model's results overwrote the other's
+    name = args.model and Path(os.path.abspath(args.model)).name.removesuffix(".gguf")
+    out = args.out or ("results/bench_quick.json" if args.quick else
+                       f"results/bench_{name}.json" if args.model else "results/bench.json")
     try:                                                              # now, not after the bench
         check_values(args, unchecked=("deadline",))                   # --deadline inf: no deadline
         check_least(args, 1, ["repeats"])
-        check_out_file(args.out or "results/bench.json")              # every default lies in results/; --gpu's too
+        check_out_file(out)                                           # every default lies in results/; --gpu's too
         clash = ".json" if args.gpu else ".md"                         # the other file's name: one would overwrite
         if args.out and Path(args.out).suffix == clash:                # the other, silently
             raise ValueError(f"--out {args.out!r}: " + ("with --gpu it names the markdown, and the JSON goes beside "
@@ -443,8 +448,6 @@ def main(argv=None):
     if args.gpu:   # imported here, not at the top: bench_gpu builds on this module
         import bench_gpu
         return bench_gpu.main(args)
-    out = args.out or ("results/bench_quick.json" if args.quick else
-                       f"results/bench_{Path(args.model).stem}.json" if args.model else "results/bench.json")
     s = dict(QUICK) if args.quick else dict(PRETRAINED, model=args.model) if args.model else dict(FULL)
     s["repeats"] = args.repeats or s["repeats"]
     wall, machine = time.perf_counter(), f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"

@@ -163,6 +163,24 @@ def test_the_default_out_folder_is_made_before_any_model_is_built(tmp_path, monk
         bench.main(["--quick"])
 
 
+@pytest.mark.parametrize("model, name", [("Qwen/Qwen3-0.6B", "Qwen3-0.6B"), ("Qwen/Qwen3-0.6B-Base", "Qwen3-0.6B-Base"),
+                                         ("smollm2-135m", "smollm2-135m"), ("models/SmolLM2.Q8_0.gguf", "SmolLM2.Q8_0")])
+def test_a_models_default_out_keeps_its_whole_name(monkeypatch, model, name):
+    # Pins main's default out for --model, checked before the model loads: Path.stem cut both Qwen3-0.6B and
+    # Qwen3-0.6B-Base to results/bench_Qwen3-0.json, so the second model's run overwrote the first's
+    class Built(Exception):
+        pass
+
+    def build_model(s):
+        raise Built
+    checked = []
+    monkeypatch.setattr(bench, "check_out_file", checked.append)
+    monkeypatch.setattr(bench, "build_model", build_model)
+    with pytest.raises(Built):
+        bench.main(["--model", model])
+    assert checked == [f"results/bench_{name}.json"]
+
+
 # ----------------------------------------------------------------------------- the arithmetic, on fake timings
 
 def fake_run(seconds, prefill=0.0, evict=None, kv_tokens=10, tokens=None):
