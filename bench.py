@@ -79,8 +79,8 @@ def build_model(s):
         s["head_dim"] = getattr(model.config, "head_dim", None)       # Qwen3's is not hidden / heads (`head_dim`)
     else:
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**{field: s[ours] for ours, field in HF_FIELDS.items()},
-                                             max_position_embeddings=s["prompt"] + s["long_new"])).eval()
+        config = LlamaConfig(**hf_config(s), max_position_embeddings=s["prompt"] + s["long_new"])
+        model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = None   # every run is full length (a random model has no end token)
     return model
 
@@ -232,18 +232,11 @@ def scaling(long, s):
 
 
 def hf_config(s):
-    """The Hugging Face config fields of shape `s`, as `cost.shape` reads them (head_dim None: hidden / heads)."""
-    return {field: s[ours] for ours, field in HF_FIELDS.items()} | dict(head_dim=s.get("head_dim"))
-
-
-def head_dim(s):
-    """The width of one attention head: a pretrained model's own (Qwen3-0.6B: 128, not its hidden / heads = 64)."""
-    return shape(hf_config(s))[3]
-
-
-def kv_formula(s, tokens, bytes_per_value=4):
-    """Section 2 (`cost.kv_bytes`): 2 (K and V) * layers * kv_heads * head_dim * tokens * bytes * batch."""
-    return kv_bytes(hf_config(s), tokens, s["batch"], bytes_per_value)
+    """The Hugging Face config fields of shape `s`, the one mapping every model and formula here reads; head_dim a
+    pretrained model's own (Qwen3-0.6B: 128, not its hidden / heads = 64), else hidden / heads (`cost.shape`)."""
+    config = {field: s[ours] for ours, field in HF_FIELDS.items()} | dict(head_dim=s.get("head_dim"))
+    config["head_dim"] = shape(config)[3]
+    return config
 
 
 def overheads(model, ids, results, s, repeats=50):
@@ -310,7 +303,8 @@ def report(s, results, long, scale, over, lim, wall, machine):
     rows, memory, record = [], [], dict(settings=dict(s), machine=machine, throughput={}, scaling=scale,
                                         overheads=over, limit=lim, wall_seconds=wall, long={})
     for name, r in results.items():
-        label, formula = name if name == HF else f"ours {name}", kv_formula(s, r["peak_kv_tokens"])
+        label = name if name == HF else f"ours {name}"
+        formula = kv_bytes(hf_config(s), r["peak_kv_tokens"], B, 4)   # section 2, fp32
         kv = f"{r['peak_kv_bytes'] / dense['peak_kv_bytes']:.3f}"
         rows.append([label, f"{speed[name]:.1f}", ratio(speed[name], speed[HF]), ratio(speed[name], speed["full"]), kv,
                      pct(r["evict_share"]) if name in SPARSE else "-",
@@ -429,8 +423,7 @@ def main(argv=None):
     if args.deadline is not None and not (args.gpu and args.deadline >= 0):
         parser.error(f"--deadline goes with --gpu and must be >= 0, got {args.deadline}"
                      + ("" if args.gpu else " without --gpu"))
-    # A model's JSON takes its whole folder or file name, less .gguf: the stem cut Qwen/Qwen3-0.6B and -0.6B-Base
-    # both to "Qwen3-0", so one model's results overwrote the other's
+    # a model's JSON takes its whole name, less .gguf: the stem cut Qwen3-0.6B and Qwen3-0.6B-Base to "Qwen3-0"
     name = args.model and Path(os.path.abspath(args.model)).name.removesuffix(".gguf")
     out = args.out or ("results/bench_quick.json" if args.quick else
                        f"results/bench_{name}.json" if args.model else "results/bench.json")

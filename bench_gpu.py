@@ -32,10 +32,11 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import bench
-from bench import (EVICTION, HF, HF_FIELDS, LONG_POLICY, agreement, copy_bandwidth, greedy, head_dim, kv_formula,
-                   log, pct, random_ids, ratio, timed)
+from bench import (EVICTION, HF, LONG_POLICY, agreement, copy_bandwidth, greedy, hf_config, log, pct, random_ids,
+                   ratio, timed)
 from cli import markdown
 from correction import ALPHA_TOPK, dense_logprobs
+from cost import kv_bytes
 from kvcache import KVCache, SparseConfig
 from policies import attended_pages
 from sampler import Rollouts, clock, generate
@@ -70,11 +71,10 @@ ROWS = [(HF, "new", {}), ("full", "new", {}), (HF, "long_new", {}), ("full", "lo
 # ----------------------------------------------------------------------------- the device
 
 def qwen3_model(s, device):
-    """A random Qwen3 of shape `s` (heads `bench.head_dim` wide, tied embeddings) in bf16 on `device`, eval mode."""
+    """A random Qwen3 of shape `s` (`bench.hf_config`'s head_dim, tied embeddings) in bf16 on `device`, eval mode."""
     torch.manual_seed(0)
-    config = Qwen3Config(**{field: s[ours] for ours, field in HF_FIELDS.items()}, head_dim=head_dim(s),
-                         tie_word_embeddings=True, max_position_embeddings=s["prompt"] + s["search_new"],
-                         eos_token_id=None)
+    config = Qwen3Config(**hf_config(s), tie_word_embeddings=True, eos_token_id=None,
+                         max_position_embeddings=s["prompt"] + s["search_new"])
     with torch.device(device):   # initialised where it runs: 1.7B parameters are slow to initialise on a CPU
         model = Qwen3ForCausalLM(config)
     model = model.to(DTYPE).eval()
@@ -151,7 +151,7 @@ def plan(s, sampler, length, budget=None):
 
 def kv_read_bytes(s, sampler, context, batch, budget=None):
     """Bytes of keys and values one decode step reads over all layers, at a mean `context`, in bf16."""
-    budget, D, L = budget or s["budget"], head_dim(s), s["layers"]
+    budget, D, L = budget or s["budget"], hf_config(s)["head_dim"], s["layers"]
     per_token = 2 * s["kv_heads"] * D * 2 * batch          # K and V of one layer, every row
     if sampler in EVICTION:                                # it holds budget .. budget + interval: mean in between
         return L * per_token * (budget + s["interval"] / 2)
@@ -235,7 +235,8 @@ def measure_row(model, s, sampler, length, extra, bandwidth, weights):
     read = weights + kv_read_bytes(s, sampler, first + s["window"] / 2, s["batch"])
     whole = rollout_kv_tokens(s, sampler, s["new" if length == "any" else length])
     return dict(r, steps=steps, first=first, bandwidth_share=read / r["step_s"] / bandwidth,
-                kv_formula_bytes=kv_formula(s, r["kv_tokens"], 2), rollout_kv_bytes=kv_formula(s, whole, 2))
+                kv_formula_bytes=kv_bytes(hf_config(s), r["kv_tokens"], s["batch"]),   # bf16: cost.kv_bytes's 2 bytes
+                rollout_kv_bytes=kv_bytes(hf_config(s), whole, s["batch"]))
 
 
 def row_label(sampler, extra):
@@ -409,7 +410,7 @@ def table_4(model, s, report, record, bandwidth, weights):
             batch += f", timed at {r['batch']}"
         report.row([label, batch, ", ".join(f"{b}: {'yes' if ok else 'no'}" for b, ok in r["tries"]),
                     size(r["fit_peak_bytes"]),
-                    size(kv_formula(dict(s, batch=1), rollout_kv_tokens(s, sampler, s["search_new"], budget), 2)),
+                    size(kv_bytes(hf_config(s), rollout_kv_tokens(s, sampler, s["search_new"], budget))),
                     f"{speed:.0f}" if speed else "-", ratio(speed, record["batch"].get("full", {}).get("tokens_per_s")),
                     pct(share) if share else "-"])
 
@@ -459,7 +460,7 @@ def main(args):
     # every parameter's bytes, a tied matrix once: what each decode step reads at least once
     record["weight_bytes"] = weights = sum(p.numel() * p.element_size() for p in model.parameters())
     report.write(f"Machine: {machine}. Model: random Qwen3, {s['layers']} layers, {s['hidden']} wide, {s['heads']} heads"
-                 f" / {s['kv_heads']} KV heads of {head_dim(s)}, vocabulary {s['vocab']}, tied embeddings,"
+                 f" / {s['kv_heads']} KV heads of {hf_config(s)['head_dim']}, vocabulary {s['vocab']}, tied embeddings,"
                  f" bf16: {size(weights)} of weights. Copy bandwidth (device to device, read + write): "
                  f"{bandwidth / 1e9:.0f} GB/s. The bandwidth bound of a step: weights + the KV it reads, at that rate.")
     try:

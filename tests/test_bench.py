@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import bench
+import cost
 import kvcache
 
 
@@ -305,7 +306,7 @@ def test_a_pretrained_models_own_head_dim_sizes_the_kv_formula_and_the_limit(mon
     s = dict(bench.PRETRAINED, model="qwen3-like", batch=2, prompt=8, new=1, mm=8)
     model = bench.build_model(s)
     _, tokens, kv_bytes, _ = bench.greedy(model, bench.random_ids(s, 2, 8), "full", 4, 16, 4)
-    assert bench.kv_formula(s, tokens) == kv_bytes == 2 * 2 * 2 * 32 * (8 + 3) * 4 * 2
+    assert cost.kv_bytes(bench.hf_config(s), tokens, s["batch"], 4) == kv_bytes == 2 * 2 * 2 * 32 * (8 + 3) * 4 * 2
     weights = sum(w.numel() for name, w in qwen3.named_parameters() if w.dim() == 2 and "embed_tokens" not in name)
     lim = bench.limit(s, dict(seconds=1.0), repeats=1)
     # one pass (the prefill at context 8): the weights and 8 tokens of K and V a layer, in fp32

@@ -9,6 +9,7 @@ import torch
 
 import bench
 import bench_gpu
+import cost
 import kvcache
 import policies
 import sampler
@@ -246,7 +247,7 @@ def test_a_shapes_own_head_dim_sizes_the_model_and_its_read_bytes_as_the_kv_form
     s = dict(bench_gpu.TINY, head_dim=32)
     assert bench_gpu.qwen3_model(s, torch.device("cpu")).config.head_dim == 32
     dense = bench_gpu.kv_read_bytes(s, "full", 100, 3)        # K and V * layers * KV heads * 32 * tokens * bf16 * batch
-    assert dense == bench.kv_formula(dict(s, batch=3), 100, 2) == 2 * 2 * 2 * 32 * 100 * 2 * 3
+    assert dense == cost.kv_bytes(bench.hf_config(s), 100, 3, 2) == 2 * 2 * 2 * 32 * 100 * 2 * 3
 
 
 def test_measure_row_shares_weights_and_kv_at_the_windows_middle_over_the_step_time(monkeypatch):
