@@ -56,6 +56,15 @@ def test_tail_by_bin_equals_numpy_quantile_per_bin():
     assert empty[1].isnan() and empty[0] == empty[2] == 1.0
 
 
+def test_tail_by_bin_of_a_bin_with_more_than_2_24_tokens():
+    # torch.quantile refuses more than 2^24 values: a bin of 2^24 + 1 tokens raised a RuntimeError. The first 10 %
+    # have alpha 0.25, the rest 1, so the 5th percentile lies inside the first 10 % (3-5 s on 2 shared cores)
+    n = 2 ** 24 + 1
+    alpha = torch.where(torch.arange(n) < n // 10, 0.25, 1.0)
+    tails, counts = tail_by_bin(alpha, torch.zeros(n, dtype=torch.long), bin_size=16)
+    assert counts.tolist() == [n] and tails.tolist() == [0.25]
+
+
 # 3. calibration
 
 def budgets_in_order(budgets):
