@@ -384,8 +384,13 @@ def check_args(args):
     if args.context > 2 ** 20:         # --speedup sums every 64th decode step's cost: 10 s at 2**20, days at 10**11
         raise ValueError(f"--context must be at most 2**20 = 1048576 tokens, got {args.context}")
     pricing = args.speedup is not None                                 # (not `speedup`: the function's name)
-    if pricing and args.policy == "blocktopk" and args.dense_layers is not None:   # else 1.00x everywhere
-        check_dense_layers(args.dense_layers, *min((c["num_hidden_layers"], n) for n, c in QWEN3.items()))
+    # --speedup's block top-k pages: Sparrow's where no flag is given, set before --calibrate fills in the toy's
+    args.pages = {}
+    if pricing and args.policy == "blocktopk":
+        args.pages = dict(page_size=args.page_size or SparseConfig.page_size,
+                          dense_layers=SparseConfig.dense_layers if args.dense_layers is None else args.dense_layers)
+        layers = min((c["num_hidden_layers"], n) for n, c in QWEN3.items())
+        check_dense_layers(args.pages["dense_layers"], *layers)        # every layer dense: 1.00x everywhere
     args.schedule = None                                               # the --speedup schedule, read once
     if pricing and not (args.calibrate and Path(args.speedup) == Path(args.out)):   # else: what it writes
         args.schedule = Schedule.load(args.speedup)                    # a bad file, named before a calibration
@@ -459,15 +464,11 @@ def print_speedup(args, schedule):
     bins = schedule.bins
     end = bins[-1] + (bins[-1] - bins[-2] if len(bins) > 1 else 0)   # where the last bin ends
     factor = args.context / max(end, 1)
-    pages = {}
-    if args.policy == "blocktopk":                                  # Sparrow's, where no flag is given
-        pages = dict(page_size=args.page_size or SparseConfig.page_size,
-                     dense_layers=SparseConfig.dense_layers if args.dense_layers is None else args.dense_layers)
     schedules = [(f"{args.speedup} as calibrated: {list(schedule.budgets)} from {list(bins)}", schedule)]
     if len(bins) > 1 and factor > 1:   # a constant budget has no length to stretch; shrunk, bins would merge
         schedules.append((f"the same stretched x{factor:.0f} to {args.context} tokens", schedule.scaled(factor)))
     schedules += [(f"constant budget {b} (for scale)", constant(b)) for b in (8192, 4096, 2048)]
-    print(speedup_table(schedules, args.context, args.batch, args.policy, **pages))
+    print(speedup_table(schedules, args.context, args.batch, args.policy, **args.pages))
 
 
 def main(argv=None):

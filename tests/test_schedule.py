@@ -709,6 +709,17 @@ def test_speedup_for_block_topk_prices_sparrows_pages_unless_flags_say_otherwise
     assert calls and all(k == dict(batch=64) for k in calls)
 
 
+def test_speedup_after_a_calibration_prices_sparrows_pages_not_the_toys(tmp_path, monkeypatch):
+    # --calibrate fills the flags not given with the toy's settings (pages of 4, 1 dense layer of its 2); the
+    # --speedup of the same command priced Qwen3 with those (5.40x for 1.7B where --speedup alone said 7.51x)
+    toy_warm_up(tmp_path / "m")
+    calls = []
+    monkeypatch.setattr(cost, "speedup", lambda *a, **k: calls.append(k) or 1.0)
+    S.main(["--calibrate", "--model", str(tmp_path / "m"), "--prompts", "4", "--candidates", "8,12", "--policy",
+            "blocktopk", "--out", str(tmp_path / "s.json"), "--speedup", str(tmp_path / "s.json")])
+    assert calls and all(k == dict(batch=64, page_size=16, dense_layers=2) for k in calls)
+
+
 def test_calibrate_writes_out_schedule_json_by_default(tmp_path):
     # Pins --out's default: out/, not the committed results/schedule.json that a bare --calibrate overwrote
     piecewise([0], [8]).save(tmp_path / "s.json")
