@@ -392,7 +392,8 @@ def check_args(args):
         layers = min((c["num_hidden_layers"], n) for n, c in QWEN3.items())
         check_dense_layers(args.pages["dense_layers"], *layers)        # every layer dense: 1.00x everywhere
     args.schedule = None                                               # the --speedup schedule, read once
-    if pricing and not (args.calibrate and Path(args.speedup) == Path(args.out)):   # else: what it writes
+    # else what --calibrate writes: one file however spelled (out/s.json, ./out/s.json, /abs/out/s.json)
+    if pricing and not (args.calibrate and Path(args.speedup).resolve() == Path(args.out).resolve()):
         args.schedule = Schedule.load(args.speedup)                    # a bad file, named before a calibration
     if not args.calibrate:
         return

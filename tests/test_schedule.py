@@ -735,6 +735,18 @@ def test_speedup_alone_reads_its_schedule_even_at_the_default_out(tmp_path, monk
     assert S.parse_args(["--speedup", "out/schedule.json"])[0].schedule == piecewise([0, 16], [8, None])
 
 
+def test_speedup_of_the_file_calibrate_writes_spelled_another_way_is_the_new_schedule(tmp_path, monkeypatch):
+    # --out out/s.json --speedup /abs/.../out/s.json name one file: compared as written, the old schedule in it was
+    # read before calibrating and priced, not the one the calibration wrote over it
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4])))   # no weights: none load
+    (tmp_path / "out").mkdir()
+    piecewise([0], [4096]).save(tmp_path / "out" / "s.json")          # an earlier calibration's
+    for speedup in (str(tmp_path / "out" / "s.json"), "./out/../out/s.json"):
+        args, _ = S.parse_args(["--calibrate", "--model", str(tmp_path), "--out", "out/s.json", "--speedup", speedup])
+        assert args.schedule is None                                   # main prices what print_calibration returns
+
+
 def test_a_context_of_exactly_2_20_is_allowed(tmp_path):
     # Pins the bound "at most 2**20 = 1048576 tokens": 2**20 itself passes (2**20 + 1 is refused above)
     piecewise([0], [8]).save(tmp_path / "s.json")
