@@ -248,9 +248,12 @@ def calibrate(model, prompts, candidates, threshold=THRESHOLD, bin_size=16, spar
     `sampling`: temperature, eos_token_id, pad_token_id, seed (as `sampler.generate`), adapter (`measure`).
     """
     check_bins(bin_size, q, threshold)                                 # before the first generation
+    if not candidates:
+        raise ValueError(f"candidates must name at least one budget, got {candidates!r}")
     options = sorted(set(candidates)) + [None]                         # None: dense
-    tails = [tail_by_bin(*measure(model, prompts, replace(sparse, budget=c, schedule=None), max_new_tokens,
-                                  **sampling), bin_size, q)[0] for c in options[:-1]]
+    caches = [replace(sparse, budget=c, schedule=None) for c in options[:-1]]   # each checked before any sampling
+    tails = [tail_by_bin(*measure(model, prompts, cache, max_new_tokens, **sampling), bin_size, q)[0]
+             for cache in caches]
     n = max(len(t) for t in tails)
     tail = lambda i, k: float(tails[k][i]) if i < len(tails[k]) else float("nan")
     # smallest passing candidate per bin (an empty bin passes with anything)

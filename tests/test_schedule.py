@@ -228,6 +228,17 @@ def test_calibrate_raises_bin_0_when_it_is_to_blame_and_only_if_its_cache_reache
     assert schedule == piecewise([0, 4], [2, 8]) and rows[1]["tail"] < THRESHOLD
 
 
+@pytest.mark.parametrize("candidates, message", [
+    ([], "candidates must name at least one budget, got \\[\\]"),   # was: max() arg is an empty sequence
+    ([16, 2 ** 41], "budget must be at most 2\\*\\*40"),
+    ([16, 16.5], "budget must be a positive integer, got 16.5")])
+def test_calibrate_refuses_bad_candidates_before_sampling_any(monkeypatch, candidates, message):
+    # a bad candidate was found when its turn came, after the good ones below it had each sampled every prompt
+    monkeypatch.setattr(S, "measure", lambda *a, **k: pytest.fail("sampled"))
+    with pytest.raises(ValueError, match=message):
+        calibrate(None, PROMPTS, candidates, sparse=SparseConfig("snapkv"))
+
+
 def test_a_schedule_sets_the_budget_of_each_compression(model):
     schedule = piecewise([0, 24], [6, 12])
     out = generate(model, PROMPTS[-2:], SparseConfig(**{**vars(SPARSE), "schedule": schedule}),
