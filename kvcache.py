@@ -78,7 +78,7 @@ class SparseConfig:
     kernel: int = 7       # pooling kernel of the SnapKV / R-KV importance along the sequence
     page_size: int = 16   # blocktopk: tokens per page; a step attends to budget // page_size top pages
     dense_layers: int = 2  # blocktopk: the first layers attend to every token (Sparrow keeps 2 dense)
-    schedule: object = None  # a schedule.Schedule (or Controller): budget = schedule(context length)
+    schedule: object = None  # a schedule.Schedule or controller.Controller: budget = schedule(context length)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -87,8 +87,8 @@ class SparseConfig:
             check_number(name, getattr(self, name), least, DENSE)
         check_number("lam", self.lam, 0, 1, integer=False)
         if self.schedule is not None and not (callable(self.schedule) and hasattr(self.schedule, "budgets")):
-            raise ValueError(f"schedule must be a schedule.Schedule or Controller (None: the fixed budget), "
-                             f"got {self.schedule!r:.80}")
+            raise ValueError("schedule must be a schedule.Schedule or controller.Controller (None: the fixed "
+                             f"budget), got {self.schedule!r:.80}")
         budget = min([self.budget] if self.schedule is None else [b for b in self.schedule.budgets if b],
                      default=self.min_budget)
         if budget < self.min_budget and self.policy != "full":             # full keeps everything: no budget

@@ -42,6 +42,7 @@ import correction as C
 import distill
 import schedule as S
 from cli import check_args, check_fits, parse_args, resume_point
+from controller import HIGH, Controller
 from evaluate import eval_both, evaluate_only, rewards_of, run_reward
 from kvcache import SparseConfig
 from models import (autocast, last_checkpoint, load_checkpoint, load_pretrained, pick_device,
@@ -68,10 +69,10 @@ def sparse_config(args, policy=None, budget=None, longest_prompt=0):
         return sparse
     # --controller: its lowest budget and its pages come from the checked cache, so it goes in after
     bins = S.bins_for(longest_prompt, args.max_new_tokens, args.bin_size)
-    return replace(sparse, schedule=S.Controller(args.controller, args.bin_size, bins, start=args.budget,
-                                                 low=sparse.min_budget, high=max(S.HIGH, args.budget),
-                                                 step=max(1, args.budget // 8),
-                                                 interval=args.interval, page_size=sparse.pages))
+    return replace(sparse, schedule=Controller(args.controller, args.bin_size, bins, start=args.budget,
+                                               low=sparse.min_budget, high=max(HIGH, args.budget),
+                                               step=max(1, args.budget // 8),
+                                               interval=args.interval, page_size=sparse.pages))
 
 
 # ----------------------------------------------------------------------------- model and data
@@ -176,7 +177,7 @@ def rl_step(model, ref_model, opt, tokenizer, examples, reward, sparse, args, st
     alpha, contexts = C.acceptance(topk_old, rollouts.topk_logprobs), S.token_contexts(rollouts)
     budget = None if sparse.policy == "full" else sparse.schedule or S.constant(sparse.budget)
     metrics.update(S.bin_metrics(alpha, contexts, args.bin_size, budget))
-    if isinstance(sparse.schedule, S.Controller):                      # the next step samples with new budgets
+    if isinstance(sparse.schedule, Controller):                        # the next step samples with new budgets
         sparse.schedule.update(alpha.cpu(), contexts.cpu())
     mask, weights = rollouts.mask, torch.ones_like(rollouts.mask)
     if args.correction == "sparse-rl":                               # section 5: reject, then reweight
@@ -301,7 +302,7 @@ def main(argv=None):
     if args.controller is not None:                                  # its bins: prompt + response, in tokens
         sparse = sparse_config(args, longest_prompt=longest)
     reward = run_reward(args)
-    controller = sparse.schedule if isinstance(sparse.schedule, S.Controller) else None
+    controller = sparse.schedule if isinstance(sparse.schedule, Controller) else None
     ref_model = copy.deepcopy(model).requires_grad_(False) if args.kl > 0 and args.steps else None   # not to evaluate
     start, state = 0, {}
     if ckpt:

@@ -325,7 +325,8 @@ def test_blocktopk_pages_match_a_brute_force_choice(schedule):
     (dict(page_size=float("nan")), "^page_size must be a positive integer, got nan$"),
     (dict(dense_layers=True), "^dense_layers must be a non-negative integer, got True$"),
     (dict(dense_layers=2 ** 70), "^dense_layers must be at most 2\\*\\*40"),
-    (dict(schedule=512), "^schedule must be a schedule.Schedule or Controller \\(None: the fixed budget\\), got 512$"),
+    (dict(schedule=512),
+     "^schedule must be a schedule.Schedule or controller.Controller \\(None: the fixed budget\\), got 512$"),
 ])
 def test_bad_config_is_a_clear_error(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -14,6 +14,7 @@ import cli
 import models
 import schedule as S
 import train
+from controller import HIGH
 from kvcache import SparseConfig
 from sampler import generate
 from evaluate import accuracy, eval_rewards
@@ -517,10 +518,10 @@ def test_a_schedule_or_controller_takes_budgets_a_fixed_cache_would_refuse(tmp_p
     S.piecewise([0, 16], [2, 8]).save(tmp_path / "short.json")
     with pytest.raises(ValueError, match="^budget=2 must be >= page_size = 4$"):   # the run's cache: no evaluation's
         train.sparse_config(train.parse_args(pages + [str(tmp_path / "short.json")]))
-    # the controller starts at --budget, even above its usual cap (schedule.HIGH), and never goes past it
-    args = train.parse_args(["--controller", "0.86", "--budget", str(S.HIGH + 904)])
+    # the controller starts at --budget, even above its usual cap (controller.HIGH), and never goes past it
+    args = train.parse_args(["--controller", "0.86", "--budget", str(HIGH + 904)])
     controller = train.sparse_config(args).schedule
-    assert set(controller.budgets) == {S.HIGH + 904} and controller.high == S.HIGH + 904
+    assert set(controller.budgets) == {HIGH + 904} and controller.high == HIGH + 904
 
 
 def test_an_evaluation_cache_is_fixed_whatever_schedule_or_controller_the_run_has(tmp_path):
