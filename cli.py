@@ -269,6 +269,8 @@ def check_args(args):
                          f"got {args.veto}")
     if args.seed >= 2 ** 32:                                           # step seeds are seed * 100_003 + step
         raise ValueError(f"--seed must be < 2**32, got {args.seed}")
+    if 0 < args.temperature < C.MIN_TEMPERATURE:                      # logits / temperature would overflow
+        raise ValueError(f"--temperature must be 0 (greedy) or at least {C.MIN_TEMPERATURE}, got {args.temperature}")
     if args.steps > 0 and args.temperature == 0:
         raise ValueError("--temperature 0 samples greedily: a prompt's rollouts are all the same and GRPO has no "
                          "signal; training needs a temperature > 0")

@@ -33,6 +33,9 @@ LOG_RHO_CLAMP = 20.0  # rho = exp(clamp(log rho, -20, 20)) keeps every ratio fin
 # alpha sums min(p_dense, p_sparse) over the sampler's top-k tokens: exact when k covers the vocabulary, a lower
 # bound below it. Training, evaluation and calibration all use this k, so one threshold (0.86) means one thing.
 ALPHA_TOPK = 64
+# the lowest sampling temperature above 0 (greedy): logits / temperature overflow float32 near 1e-36 (then NaN
+# log-probs, every row sampling token 0), and long before that the distribution is the greedy one
+MIN_TEMPERATURE = 1e-6
 
 
 # ----------------------------------------------------------------------------- input checks
@@ -90,8 +93,9 @@ def response_logprobs(model, rollouts, temperature=1.0, topk=False, chunk=None, 
     """
     tokens, mask, prompts = rollouts.tokens, rollouts.mask, rollouts.prompts
     check_shapes(tokens=tokens, mask=mask, logprobs=rollouts.logprobs)
-    if not 0 <= temperature < float("inf"):   # NaN too: NaN log-probs everywhere; inf: a uniform distribution
-        raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {temperature}")
+    # NaN: NaN log-probs everywhere; inf: a uniform distribution; 1e-40: overflow
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature < float("inf")):
+        raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature}")
     if len(prompts) != tokens.shape[0] or min(map(len, prompts)) < 1:
         raise ValueError(f"need {tokens.shape[0]} non-empty prompts for {tokens.shape[0]} responses")
     if chunk is not None and (not isinstance(chunk, int) or chunk < 1):

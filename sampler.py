@@ -20,7 +20,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from correction import ALPHA_TOPK   # the top-k that alpha sums over, the same everywhere
+from correction import ALPHA_TOPK, MIN_TEMPERATURE   # the top-k that alpha sums over, the same everywhere
 from kvcache import CACHE_ARG, KVCache, SparseConfig, sparse_attention
 from static import StaticCache, capture
 
@@ -164,8 +164,9 @@ def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     check_length(max(map(len, prompts)), max_new_tokens, model.config)
     real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)   # None: was a TypeError from `<=`
-    if not (real(temperature) and 0 <= temperature < float("inf")):   # NaN too: it would sample token 0, NaN log-probs
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    # NaN, or a temperature so small that logits / temperature overflow: token 0 sampled, NaN log-probs
+    if not (real(temperature) and (temperature == 0 or MIN_TEMPERATURE <= temperature < float("inf"))):
+        raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature!r}")
     if not (real(top_p) and 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")   # !r: tensor(0.5) is no 0.5
     if not count(logprobs_topk):

@@ -145,6 +145,7 @@ def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
     (["--controller", "2"], "--controller THRESHOLD is a 5th-percentile acceptance in \\[0, 1\\] .*got 2.0"),
     (["--distill", "ppo-kl", "--policy", "full"], "--distill trains an adapter for a sparse sampler"),   # both kinds
     (["--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
+    (["--temperature", "1e-40"], "--temperature must be 0 \\(greedy\\) or at least 1e-06, got 1e-40"),   # was: NaN
     (["--distill-lambda", "-1"], "--distill-lambda must be >= 0, got -1.0"),
     (["--lora-lr-scale", "0"], "--lora-lr-scale must be > 0, got 0.0"),
     (["--schedule", "s.json", "--steps", "0"], "--steps 0 evaluates fixed budgets"),

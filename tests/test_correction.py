@@ -618,11 +618,13 @@ def test_dense_logprobs_rejects_bad_input(tiny_llama):
     rollouts, _ = hand_rollouts()
     with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):
         dense_logprobs(tiny_llama, rollouts, batch_size=0)
-    with pytest.raises(ValueError, match="temperature must be >= 0 .* got -1"):
+    with pytest.raises(ValueError, match="temperature must be 0 .* got -1"):
         dense_logprobs(tiny_llama, rollouts, temperature=-1)
-    # NaN passes `< 0` and scores every token NaN; inf scores a uniform distribution; the sampler refuses both
-    for bad in (math.nan, math.inf):
-        with pytest.raises(ValueError, match=rf"temperature must be >= 0 and finite \(0 = greedy\), got {bad}"):
+    # NaN passes `< 0` and scores every token NaN; inf scores a uniform distribution; 1e-40 overflows logits / T
+    # to NaN log-probs; the sampler refuses all three
+    for bad in (math.nan, math.inf, 1e-40):
+        with pytest.raises(ValueError, match=rf"temperature must be 0 \(greedy\) or a finite number >= 1e-06, "
+                                             rf"got {bad}"):
             dense_logprobs(tiny_llama, rollouts, temperature=bad)
     broken = Rollouts(rollouts.prompts, rollouts.tokens, rollouts.mask[:, :4], rollouts.logprobs,
                       rollouts.topk_logprobs, rollouts.topk_ids)

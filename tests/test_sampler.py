@@ -229,9 +229,11 @@ def test_bfloat16_runs_close_to_float32():
     ([[1, 2, 3], [4]], dict(max_new_tokens=510), "max_new_tokens \\(--max-new-tokens\\) 510: the longest prompt "
                                                  "\\(3 tokens\\) plus the response must fit the model's 512 positions, "
                                                  "so at most 509"),
-    ([[1, 2]], dict(temperature=-0.5), "temperature must be a finite number >= 0 \\(0 = greedy\\), got -0.5"),
-    ([[1, 2]], dict(temperature=float("nan")), "temperature must be a finite number >= 0 .*, got nan"),  # was: NaN
-    ([[1, 2]], dict(temperature=float("inf")), "temperature must be a finite number >= 0 .*, got inf"),  # log-probs
+    ([[1, 2]], dict(temperature=-0.5), "temperature must be 0 \\(greedy\\) or a finite number >= 1e-06, got -0.5"),
+    # logits / 1e-40 overflow float32: every row sampled token 0, with NaN log-probs
+    ([[1, 2]], dict(temperature=1e-40), "temperature must be 0 \\(greedy\\) or a finite number >= 1e-06, got 1e-40"),
+    ([[1, 2]], dict(temperature=float("nan")), "temperature must be 0 .*, got nan"),  # was: NaN
+    ([[1, 2]], dict(temperature=float("inf")), "temperature must be 0 .*, got inf"),  # log-probs
     ([[1, 2]], dict(pad_token_id=64), "pad_token_id must be a token id in \\[0, 64\\), got 64"),   # was: an IndexError
     ([[1, 2]], dict(pad_token_id=None), "pad_token_id must be a token id in \\[0, 64\\), got None"),  # mid-rollout
     ([[1, 2]], dict(eos_token_id=64), "eos_token_id must be a token id in \\[0, 64\\) or a list of them, got 64"),
@@ -243,8 +245,8 @@ def test_bfloat16_runs_close_to_float32():
     ([[1, 2]], dict(eos_token_id=torch.tensor([3, 4])), "eos_token_id must be .*, got tensor\\(\\[3, 4\\]\\)"),
     ([[1, 2]], dict(top_p=0.0), "top_p must lie in \\(0, 1\\], got 0.0"),
     ([[1, 2]], dict(top_p=1.5), "top_p must lie in \\(0, 1\\], got 1.5"),
-    ([[1, 2]], dict(temperature=None), "temperature must be a finite number >= 0 .*, got None"),   # were a
-    ([[1, 2]], dict(temperature="0.7"), "temperature must be a finite number >= 0 .*, got '0.7'"),   # TypeError
+    ([[1, 2]], dict(temperature=None), "temperature must be 0 .*, got None"),   # were a
+    ([[1, 2]], dict(temperature="0.7"), "temperature must be 0 .*, got '0.7'"),   # TypeError
     ([[1, 2]], dict(top_p=None), "top_p must lie in \\(0, 1\\], got None"),                         # from `<`
     ([[1, 2]], dict(top_p=torch.tensor(0.5)), "top_p must lie in .*, got tensor\\(0.5000\\)"),   # was: "got 0.5"
     ([[1, 2]], dict(seed=1.5), "^seed must be an integer in \\[-2\\*\\*63, 2\\*\\*64\\), got 1.5$"),   # these three
