@@ -276,6 +276,18 @@ def test_encode_target_is_the_answer_then_eos():
     ("#### 3 x 4", "3", 0.0),
     ("#### 3·4", "3", 0.0),
     ("#### 7 1/2", "7", 0.0),                                 # a mixed number
+    ("#### 18 ÷ 2", "18", 0.0),                               # a quotient, and the LaTeX spellings of the same
+    ("\\boxed{3 \\times 4}", "3", 0.0),                         # operations, which \\boxed{} holds: a product
+    ("\\boxed{3\\cdot4}", "3", 0.0),                             # (each of these read its first number, 1.0)
+    ("\\boxed{3 \\ast 4}", "3", 0.0),
+    ("\\boxed{18 \\div 2}", "18", 0.0),
+    ("\\boxed{2^{10}}", "2", 0.0),                                # a power
+    ("#### 2^-3", "2", 0.0),
+    ("\\boxed{1\\frac{1}{2}}", "1", 0.0),                        # a mixed number, a fraction, a root
+    ("\\boxed{3 \\over 4}", "3", 0.0),
+    ("\\boxed{5\\sqrt{2}}", "5", 0.0),
+    ("\\boxed{72^\\circ}", "72", 1.0),                            # a unit after the number is no operation
+    ("\\boxed{72 \\text{ times}}", "72", 1.0),
     ("#### 1 000", "1", 0.0),                                 # a space between thousands: not 1,
     ("#### 1\u202f000", "1", 0.0),
     ("#### 1,", "1", 0.0),                                    # "1,000" cut short by max_new_tokens
