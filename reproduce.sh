@@ -46,12 +46,16 @@ run() {   # run NAME SEED [train.py options...]: one training run, its warm-up s
 }
 
 queue() {   # queue "NAME SEED [options]" ...: those runs in order, two at a time; stops at the first failure
-    local job
+    local job pid pids=()
     for job in "$@"; do
         while [ "$(jobs -rp | wc -l)" -ge 2 ]; do wait -n; done
         run $job &
+        pids+=($!)
     done
     while [ -n "$(jobs -rp)" ]; do wait -n; done
+    # a run that ended after the last wait -n returned, but before jobs -rp looked, is no longer running and was
+    # never waited for: its failure passed unseen. wait PID still has every run's status
+    for pid in "${pids[@]}"; do wait "$pid"; done
 }
 
 corrections() {   # dense GRPO, naive sparse, TIS only, Sparse-RL (SnapKV, budget 12); dense makes the warm-ups

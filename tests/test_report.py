@@ -1,7 +1,9 @@
 """report.py runs: the tables of hand-written run folders against numbers computed by hand, the errors, and
 --robust-budgets on a tiny trained run (its budgets reproduce the run's own final evaluations)."""
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +11,8 @@ import report
 import train
 from kvcache import SparseConfig
 from test_train import SMALL
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def line(step, tokens, dropped, vetoed, peak, dense, times, tails, reward=0.5):
@@ -437,3 +441,21 @@ def test_a_distill_runs_adapter_step_counts_in_its_train_time(tmp_path):
     assert rows["sparse-rl"][-5:] == ["6", "3.00", "1.00", "1.00", "1.00"]
     assert rows["distill"][-5:] == ["12", "6.00", "1.00", "1.00", "4.00"]
     assert report.reach_rows(groups)[2] == [("sparse-rl", 2, 6.0, 1.0), ("distill", 2, 12.0, 0.5)]
+
+
+@pytest.mark.parametrize("runs, code", [(["ok 0.1", "fail 0.3"], 1), (["ok 0.1", "ok 0.2", "ok 0.1"], 0)],
+                         ids=["fail-unwaited", "all-ok"])
+def test_reproduce_sh_queue_returns_the_failure_of_a_run_that_ended_unwaited(runs, code):
+    # a run that ended after `wait -n` returned for its sibling, but before `jobs -rp` looked, was waited for by
+    # no one: queue returned 0 and reproduce.sh went on past the failed run. A slow `wait` opens that window here;
+    # all-ok: a run `wait -n` reaped already still waits as 0 (its status is kept), so no ok queue fails
+    script = f"""set -euo pipefail
+eval "$(sed -n '/^queue() {{/,/^}}/p' '{REPO / "reproduce.sh"}')"
+run() {{ sleep "$2"; [ "$1" = ok ]; }}
+wait() {{ local rc=0; builtin wait "$@" || rc=$?; sleep 0.5; return $rc; }}
+queue {" ".join(f'"{r}"' for r in runs)}
+echo "queue returned 0"
+"""
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, "queue returned 0" in done.stdout) == (code, code == 0), done.stderr
+
