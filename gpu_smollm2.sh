@@ -168,7 +168,11 @@ unpack() {        # unpack DIR: each <variant>-s<seed>.tgz the device returned, 
     [ -n "$dir" ] || die "unpack needs the folder the device's files came back into"
     ls "$dir"/*.tgz > /dev/null 2>&1 || die "no .tgz files in $dir"
     mkdir -p results/runs-gpu
-    for f in "$dir"/*.tgz; do tar xzf "$f" -C results/runs-gpu && echo "results/runs-gpu/$(basename "$f" .tgz)"; done
+    for f in "$dir"/*.tgz; do   # a damaged file stops here: the loop's status is only its last file's
+        tar xzf "$f" -C results/runs-gpu ||
+            die "$f did not unpack (tar's message above): results/runs-gpu/$(basename "$f" .tgz) may be partial; fetch $f again"
+        echo "results/runs-gpu/$(basename "$f" .tgz)"
+    done
 }
 
 report() {        # the table and curves of whatever variants came back, in the order dense, naive, tis, sparse-rl, PODS

@@ -1,8 +1,10 @@
 """report.py runs: the tables of hand-written run folders against numbers computed by hand, the errors, and
 --robust-budgets on a tiny trained run (its budgets reproduce the run's own final evaluations)."""
 import json
+import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -459,3 +461,21 @@ echo "queue returned 0"
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     assert (done.returncode, "queue returned 0" in done.stdout) == (code, code == 0), done.stderr
 
+
+def test_gpu_smollm2_unpack_stops_at_a_damaged_tgz(tmp_path):
+    # a truncated dense-s0.tgz (say, a fetch cut short) before a whole naive-s0.tgz: unpack exited 0, its status
+    # that of the last file only, and `report` went on without dense or with half of its metrics.jsonl
+    shutil.copy(REPO / "gpu_smollm2.sh", tmp_path)                      # it cds to its own folder
+    back = tmp_path / "back"
+    back.mkdir()
+    for name in ("dense-s0", "naive-s0"):
+        run = write_run(tmp_path / "made" / name, [line(1, 100, 0, 0, 1, 1, (1, 0, 0), [1.0])], [(0, .5, .5)])
+        with tarfile.open(back / f"{name}.tgz", "w:gz") as tar:
+            tar.add(run, arcname=name)
+    whole = (back / "dense-s0.tgz").read_bytes()
+    (back / "dense-s0.tgz").write_bytes(whole[: len(whole) // 2])
+    done = subprocess.run(["bash", str(tmp_path / "gpu_smollm2.sh"), "unpack", "back"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == ("gpu_smollm2.sh: back/dense-s0.tgz did not unpack (tar's message above): "
+                                            "results/runs-gpu/dense-s0 may be partial; fetch back/dense-s0.tgz again")
