@@ -421,7 +421,9 @@ class KVCache(Cache):
         return out
 
     def get_seq_length(self, layer_idx=0):
-        return self.layers[layer_idx].size if layer_idx < len(self.layers) else 0
+        """The tokens fed before the step `start_step` announced, padding included (the model numbers its tokens
+        from here when no position_ids come); not the slots held, which a compression lowers."""
+        return self.dense_kv_tokens - (0 if self.step_pos is None else self.step_pos.shape[1])
 
     # slots currently held per layer and KV head; the peak and dense token counts in bytes
     kv_tokens = property(lambda self: self.layers[0].size if self.layers else 0)

@@ -555,3 +555,26 @@ def test_the_host_bookkeeping_reaches_any_device():
     assert moved.device.type == "meta"
     host = torch.tensor([3, 2])
     assert kvcache.to_device(host, torch.device("cpu")) is host           # a CPU cache: no copy at all
+
+
+def test_a_model_called_without_positions_gets_them_from_the_tokens_seen_not_the_slots_held():
+    # transformers numbers a forward pass's tokens from `get_seq_length()` when no position_ids come. It returned the
+    # slots held: after a compression (13 tokens -> budget 8) the next token was given position 8 instead of 13, its
+    # rotary angle was wrong, and the logits moved. The positions fed before the announced step are what it means
+    model, prompt = tiny_model("llama"), torch.tensor([list(range(3, 16))])
+    sparse = SparseConfig("snapkv", budget=8, interval=2, window=2, sink=2)
+    logits = {}
+    for explicit in (True, False):
+        cache, ids, rows, start = KVCache(sparse, model.config.num_hidden_layers, max_new_tokens=6), prompt, [], 0
+        with sparse_attention(model), torch.no_grad():
+            for _ in range(7):
+                pos = torch.arange(start, start + ids.shape[1])[None]
+                cache.start_step(pos)
+                assert cache.get_seq_length() == start
+                out = model(ids, **({"position_ids": pos} if explicit else {}), **{kvcache.CACHE_ARG: cache},
+                            kv_cache=cache)
+                rows.append(out.logits[:, -1])
+                ids, start = out.logits[:, -1:].argmax(-1), start + ids.shape[1]
+        assert cache.compressions > 0 and cache.kv_tokens < 13 + 6
+        logits[explicit] = torch.cat(rows)
+    torch.testing.assert_close(logits[False], logits[True])
