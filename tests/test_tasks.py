@@ -300,6 +300,15 @@ def test_encode_target_is_the_answer_then_eos():
     ("#### 10,000,000,000,000,001", 10000000000000001, 1.0),
     ("#### 0", "0.0000005", 0.0),
     ("#### 5", 5, 1.0),                                       # the answer as a number
+    ("##### 72", "72", 1.0),                                  # GSM8K's marker with more hashes (read none)
+    ("###### 72", "72", 1.0),
+    ("#####72", "72", 1.0),
+    ("#### 18 ##### 19", "19", 1.0),
+    ("##### 18 - 5", "18", 0.0),                              # still no number after the longer marker
+    ("### 72", "72", 0.0),                                    # three hashes are a heading, no marker
+    ("#### 72.", "72", 1.0),                                  # a sentence's full stop,
+    ("#### $1,234", "1234", 1.0),                             # a dollar sign before thousands
+    ("The answer is $72$.", "72", 0.0),                       # no marker, even in LaTeX's dollars
 ])
 def test_numeric_reward_hand_cases(completion, answer, expected):
     assert numeric_reward(completion, answer) == expected
