@@ -265,6 +265,7 @@ _LEADING_NUMBER = re.compile(r"\s*([-−]?)\s*\$?\s*([-−]?)\s*(\d{1,3}(?:,\d{3
 
 
 OPERATORS = {"times": "×", "cdot": "·", "div": "÷", "ast": "*"}   # LaTeX's \times ... as `_plain` writes them
+FONTS = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|boldsymbol|bm)\{([^{}]*)\}")
 
 
 def _braced(text, start):
@@ -278,13 +279,17 @@ def _braced(text, start):
 
 
 def _plain(text):
-    """A final answer without its LaTeX and markdown: \\text{72}, 1{,}000, \\$72, **72** -> 72, 1,000, $72, 72.
+    """A final answer without its LaTeX and markdown: \\mathbf{72}, 1{,}000, \\$72, **72** -> 72, 1,000, $72, 72.
     Only paired emphasis goes: the `*` of "3*4" is a product, kept (and then no number is read)."""
     text = text.replace("{,}", ",").replace("\\$", "$").replace("\\!", "").replace("\\,", "")
     # LaTeX's operators as the symbols _LEADING_NUMBER knows: "3 \times 4" is a product, not 3
     text = re.sub(r"\\(times|cdot|div|ast)(?![a-zA-Z])", lambda m: OPERATORS[m.group(1)], text)
     text = re.sub(r"(?<!\d)(\*{1,2})(?=[^\s*])([^*]*[^\s*])\1(?!\d)", r"\2", text)
-    return re.sub(r"\\(?:text|textbf|mathrm)\{([^{}]*)\}", r"\1", text)
+    # The fonts a model writes a number in, innermost first: \text{\textbf{72}} -> \text{72} -> 72
+    while True:
+        text, found = FONTS.subn(r"\1", text)
+        if not found:
+            return text
 
 
 def extract_answer(completion):

@@ -309,6 +309,16 @@ def test_encode_target_is_the_answer_then_eos():
     ("#### 72.", "72", 1.0),                                  # a sentence's full stop,
     ("#### $1,234", "1234", 1.0),                             # a dollar sign before thousands
     ("The answer is $72$.", "72", 0.0),                       # no marker, even in LaTeX's dollars
+    ("\\boxed{\\mathbf{72}}", "72", 1.0),                     # LaTeX's other fonts (read none)
+    ("\\boxed{\\boldsymbol{72}}", "72", 1.0),
+    ("\\boxed{\\textit{72}}", "72", 1.0),
+    ("\\boxed{\\mathbf{1{,}000}}", "1000", 1.0),
+    ("\\boxed{-\\mathbf{72}}", "-72", 1.0),
+    ("\\boxed{\\text{\\textbf{72}}}", "72", 1.0),             # one font inside another (read none)
+    ("\\boxed{\\textbf{\\text{\\$}72}}", "72", 1.0),
+    ("\\boxed{\\mathbf{3 \\times 4}}", "3", 0.0),             # an operation in bold is still one
+    ("\\boxed{\\mathbf{3}\\frac{1}{2}}", "3", 0.0),
+    ("\\boxed{\\mathbf{2^{10}}}", "2", 0.0),
 ])
 def test_numeric_reward_hand_cases(completion, answer, expected):
     assert numeric_reward(completion, answer) == expected
