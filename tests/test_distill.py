@@ -174,12 +174,13 @@ def test_the_distillation_loss_by_hand():
     assert loss.item() == pytest.approx(1 / 3 + 1e-3 * kl, rel=1e-6) and stats["kl"] == pytest.approx(kl, rel=1e-5)
 
 
-@pytest.mark.parametrize("lam", [-1.0, float("nan")])
-def test_a_negative_or_nan_lambda_is_named_as_lam(lam):
+@pytest.mark.parametrize("lam", [-1.0, float("nan"), float("inf")])
+def test_a_negative_nan_or_infinite_lambda_is_named_as_lam(lam):
+    # inf passed: inf * KL is NaN wherever the KL is 0 (the first PPO epoch's), and the adapter's gradients with it
     from sampler import Rollouts
     rollouts = Rollouts([[1]], torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2), torch.zeros(1, 2),
                         torch.zeros(1, 2, 1), torch.zeros(1, 2, 1))
-    with pytest.raises(ValueError, match=f"^lam, the KL term's weight, must be >= 0, got {lam}$"):   # was: kl_coef
+    with pytest.raises(ValueError, match=f"^lam, the KL term's weight, must be a finite number >= 0, got {lam}$"):   # was: kl_coef
         distill.distill_loss(torch.zeros(1, 2), rollouts, torch.zeros(1, 2), torch.ones(1), lam=lam)
 
 
