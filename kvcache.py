@@ -61,8 +61,8 @@ def check_number(name, value, low, high, integer=True):
         allowed = f"{'a positive' if low else 'a non-negative'} integer" if integer else f"a number in [{low}, {high}]"
         raise ValueError(f"{name} must be {allowed}, got {value!r:.40}")
     if value > high:
-        raise ValueError(f"{name} must be at most {'2**40 (DENSE: never evicts)' if high == DENSE else high}, "
-                         f"got {value!r:.40}")
+        dense = "2**40" + (" (DENSE: never evicts)" if name == "budget" else "")   # a budget that large keeps all
+        raise ValueError(f"{name} must be at most {dense if high == DENSE else high}, got {value!r:.40}")
 
 
 @dataclass

@@ -308,7 +308,7 @@ def test_blocktopk_pages_match_a_brute_force_choice(schedule):
     (dict(budget=16.5), "budget must be a positive integer, got 16.5"),        # an int, not just >= 1
     (dict(kernel=-1), "kernel must be a positive integer, got -1"),           # odd, yet no pooling width
     (dict(budget=2 ** 64), "budget must be at most 2\\*\\*40 \\(DENSE: never evicts\\), got 18446744073709551616"),
-    (dict(interval=2 ** 63), "interval must be at most 2\\*\\*40"),            # else an OverflowError mid-rollout
+    (dict(interval=2 ** 63), "^interval must be at most 2\\*\\*40, got 9223372036854775808$"),  # not OverflowError
 
     # no number where one is meant: a bare TypeError from a comparison, or taken (True as a budget of 1)
     (dict(lam=None), "^lam must be a number in \\[0, 1\\], got None$"),
@@ -324,7 +324,8 @@ def test_blocktopk_pages_match_a_brute_force_choice(schedule):
     (dict(kernel=float("inf")), "^kernel must be a positive integer, got inf$"),
     (dict(page_size=float("nan")), "^page_size must be a positive integer, got nan$"),
     (dict(dense_layers=True), "^dense_layers must be a non-negative integer, got True$"),
-    (dict(dense_layers=2 ** 70), "^dense_layers must be at most 2\\*\\*40"),
+    (dict(dense_layers=2 ** 70), "^dense_layers must be at most 2\\*\\*40, got 1180591620717411303424$"),  # only a
+    (dict(kernel=2 ** 41 + 1), "^kernel must be at most 2\\*\\*40, got 2199023255553$"),   # budget never evicts
     (dict(schedule=512),
      "^schedule must be a schedule.Schedule or controller.Controller \\(None: the fixed budget\\), got 512$"),
 ])
