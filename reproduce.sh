@@ -134,12 +134,20 @@ report() {   # results/<experiment>.md with PNGs (results/<experiment>_*.png), a
     python report.py runs "$OUT"/{dense,pods16to8}-s? --out results/pods
     python report.py runs "$OUT"/sort-{dense,naive,tis,sparse-rl}-s? --robust-budgets 24 20 --out results/sort
     python keeps.py --model "$OUT/warmup-pick-s0" --out results/keeps.png > results/keeps.md
-    local log                   # the budgets that hold 0.86, and what the cost model predicts for each schedule
+    budgets > results/distill_budgets.txt
+}
+
+budgets() {   # a line per calibration: the budgets that hold 0.86, and what the cost model predicts for its schedule
+    local log json
     for log in "$OUT"/calibrate-s?.log "$OUT"/calibrate-distill{,-kl}-s?-{off,on}.log; do
-        local json=$(sed -n 's/^wrote //p' "$log")
+        json=$( [ -f "$log" ] && sed -n 's/^wrote //p' "$log" || true)
+        if [ -z "$json" ] || [ ! -f "$json" ]; then   # a killed calibration: its log, no schedule (or no log at all)
+            echo "$log: no schedule written (unfinished or not run): rerun its experiment (schedule or distill)"
+            continue
+        fi
         echo "$log: $(grep -h "smallest constant budget" "$log"); stretched to 32K tokens:" \
              "$(python schedule.py --speedup "$json" | grep stretched | cut -d'|' -f3-5)"
-    done > results/distill_budgets.txt
+    done
 }
 
 for experiment in "${@:-corrections policies schedule pods distill sort report}"; do

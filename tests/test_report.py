@@ -479,3 +479,28 @@ def test_gpu_smollm2_unpack_stops_at_a_damaged_tgz(tmp_path):
     assert done.returncode == 1
     assert done.stderr.splitlines()[-1] == ("gpu_smollm2.sh: back/dense-s0.tgz did not unpack (tar's message above): "
                                             "results/runs-gpu/dense-s0 may be partial; fetch back/dense-s0.tgz again")
+
+
+def test_reproduce_sh_budgets_names_a_killed_calibration_instead_of_a_half_empty_line(tmp_path):
+    # a calibration killed before it wrote its schedule leaves a log with no "wrote" line: report printed
+    # "<log>: ; stretched to 32K tokens:" with nothing after it, and schedule.py's usage error on the terminal
+    (tmp_path / "calibrate-s0.log").write_text(f"the smallest constant budget holding 0.86 in every bin: 24\n"
+                                               f"wrote {tmp_path}/s0.json\n")
+    (tmp_path / "s0.json").write_text("{}")
+    (tmp_path / "calibrate-s1.log").write_text("calibrate: budget 12 ...\n")                     # killed mid-way
+    script = f"""set -euo pipefail
+eval "$(sed -n '/^budgets() {{/,/^}}/p' '{REPO / "reproduce.sh"}')"
+python() {{ echo "| stretched to 32K | 1.33x | 1.32x | 1.30x |"; }}   # schedule.py --speedup's row
+OUT='{tmp_path}'
+budgets
+"""
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == (f"{tmp_path}/calibrate-s0.log: the smallest constant budget holding 0.86 in every bin: 24; "
+                        "stretched to 32K tokens:  1.33x | 1.32x | 1.30x ")
+    assert lines[1] == (f"{tmp_path}/calibrate-s1.log: no schedule written (unfinished or not run): rerun its "
+                        "experiment (schedule or distill)")
+    assert lines[2] == (f"{tmp_path}/calibrate-distill-s?-off.log: no schedule written (unfinished or not run): "
+                        "rerun its experiment (schedule or distill)")                  # no distill calibration ran
+    assert done.stderr == ""
