@@ -145,6 +145,29 @@ def test_block_top_k_over_budget_for_its_buffer_attends_every_token_as_dense_dec
     assert (static.logprobs - dense.logprobs).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("policy", ["full", "blocktopk", "snapkv"])
+def test_a_static_step_past_max_new_tokens_is_refused_by_name(policy):
+    """As the eager cache's (tests/test_kvcache.py): the buffers hold the prompt + max_new_tokens (here 9 + 3 = 12
+    slots; snapkv's budget is past them), and a caller who announces one decode step more is told so by name,
+    before the step runs. The static step writes at `cursor` unchecked: the fourth step was torch's
+    "index_copy_(): index 12 is out of bounds" (on a GPU, a device-side assert that ends the process's CUDA)."""
+    model = tiny_model("llama")
+    sparse = SparseConfig(policy, budget=64, interval=4, page_size=4, dense_layers=1)
+    cache, prompt = StaticCache(sparse, model.config.num_hidden_layers, max_new_tokens=3), torch.tensor([PROMPTS[0]])
+    with kvcache.sparse_attention(model), torch.no_grad():
+        cache.start_step(torch.arange(9)[None])
+        sampler.forward(model, prompt, torch.arange(9)[None], cache)
+        for p in (9, 10, 11):
+            cache.start_step(torch.tensor([[p]]))
+            assert cache.static
+            sampler.forward(model, prompt[:, :1], torch.tensor([[p]]), cache)
+            cache.end_step()
+        with pytest.raises(ValueError, match=r"^12 slots held \+ 1 new tokens do not fit the 12 allocated for the "
+                                             "cache's max_new_tokens: announce no more steps than it was made for"):
+            cache.start_step(torch.tensor([[12]]))
+    assert cache.layers[0].size == 12
+
+
 @pytest.mark.parametrize("schedule", [Schedule((0, 14), (4, 12)), Schedule((0, 14), (4, None))],
                          ids=["growing", "then-dense"])
 def test_scheduled_block_top_k_gathers_the_pages_of_its_largest_budget(schedule):
