@@ -166,10 +166,13 @@ def print_step_times(model, prompts, configs, args):
     try:
         for _ in range(args.rounds):
             for p in policies:
-                with collector[p]:
+                with GCClock() as rollout:
                     s, c = step_times(model, prompts, configs[p], args.new)
                 seconds[p] += s
                 compressing[p] += c
+                # counted with the rollout's steps: an interrupted rollout's collections go with its lost steps
+                collector[p].seconds += rollout.seconds
+                collector[p].full += rollout.full
     except KeyboardInterrupt:   # a time limit's SIGINT (gpu_check.sh): the rollouts that finished, not nothing
         policies = [p for p in policies if seconds[p]]
         if not policies:

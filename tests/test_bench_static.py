@@ -259,6 +259,32 @@ def test_print_step_times_reports_the_rollouts_finished_before_a_time_limits_sig
         bench_static.print_step_times(model, [[1, 2]], {"h2o": sparse["h2o"]}, args)
 
 
+def test_print_step_times_counts_no_collection_of_an_interrupted_rollout(monkeypatch, capsys):
+    """--rounds 2, SIGINT in h2o's second rollout, after a full collection in it: h2o is reported from its first
+    rollout's steps (3 of 10 ms), so its garbage collector's share must be that rollout's too, 0 full collections
+    (the collector is off, and no finished rollout collects), not the lost rollout's 1 charged to the steps kept."""
+    import argparse
+
+    calls = []
+
+    def timings(model, prompts, sparse, steps):
+        calls.append(sparse.policy)
+        if steps == 22 and calls.count("h2o") == 3:        # the warm-up, round 1, then round 2's
+            gc.collect()
+            raise KeyboardInterrupt
+        return [0.010] * 3, [False] * 3
+    monkeypatch.setattr(bench_static, "step_times", timings)
+    args = argparse.Namespace(shape="bench", batch=2, prompt=6, new=22, budget=16, interval=4, rounds=2)
+    sparse = {p: SparseConfig(p, budget=16, interval=4) for p in ("full", "h2o")}
+    gc.disable()
+    try:
+        bench_static.print_step_times(type("M", (), dict(dtype=torch.float32, device="cpu"))(), [[1, 2]], sparse, args)
+    finally:
+        gc.enable()
+    h2o = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("h2o:")]
+    assert len(h2o) == 1 and h2o[0].endswith("garbage collector 0.00 a step, 0 full collections"), h2o
+
+
 @pytest.mark.parametrize("name", ["batch", "prompt", "new", "budget", "interval", "rounds"])
 def test_the_command_line_refuses_every_count_below_one_before_building_a_model(monkeypatch, capsys, name):
     # each of these counts at 0 would fail, or time nothing (no round: a median of nothing), only after a model of
