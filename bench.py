@@ -75,6 +75,9 @@ def build_model(s):
     """A random Llama-family model shaped by `s`, or the pretrained s["model"], whose shape goes into `s`."""
     if "model" in s:
         model, _ = load_pretrained(s["model"])
+        if (family := model.config.model_type) not in kvcache.SUPPORTED_MODELS:   # the fields read below are theirs
+            raise ValueError(f"model {s['model']!r} is a {family!r} model; supported: "
+                             f"{', '.join(kvcache.SUPPORTED_MODELS)} (the samplers' attention, kvcache.py)")
         s.update({ours: getattr(model.config, field) for ours, field in HF_FIELDS.items()})
         s["head_dim"] = getattr(model.config, "head_dim", None)       # Qwen3's is not hidden / heads (`head_dim`)
     else:
@@ -446,7 +449,7 @@ def main(argv=None):
     wall, machine = time.perf_counter(), f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     try:
         model = build_model(s)
-    except ValueError as error:                                     # a --model that is not there
+    except ValueError as error:                                     # a --model not there, or of another family
         parser.error(str(error))
     ids = random_ids(s, s["batch"], s["prompt"])
     results, long = throughput(model, ids, s)
