@@ -405,6 +405,22 @@ def cpu_name():
     return f"{name} ({os.cpu_count()} cores)"
 
 
+def out_files(out, gpu):
+    """The files a run writes, --out first: the JSON, the tables beside it as .md and the scaling plot; with --gpu
+    bench_gpu.py's markdown and the JSON beside it. Each is opened now (ValueError), not after the measurements."""
+    stem = os.path.splitext(out)[0]
+    files = [out, str(Path(out).with_suffix(".json"))] if gpu else [out, stem + ".md", stem + "_scaling.png"]
+    for path in files:
+        there = os.path.exists(path)
+        try:
+            open(path, "a").close()   # "a": a file there (an earlier run's) keeps its contents until it is replaced
+        except OSError as error:
+            raise ValueError(f"--out {out!r}: cannot write {path!r}: {error.strerror}") from None
+        if not there:
+            os.remove(path)
+    return files
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model, seconds instead of minutes")
@@ -428,8 +444,8 @@ def main(argv=None):
                      + ("" if args.gpu else " without --gpu"))
     # a model's JSON takes its whole name, less .gguf: the stem cut Qwen3-0.6B and Qwen3-0.6B-Base to "Qwen3-0"
     name = args.model and Path(os.path.abspath(args.model)).name.removesuffix(".gguf")
-    out = args.out or ("results/bench_quick.json" if args.quick else
-                       f"results/bench_{name}.json" if args.model else "results/bench.json")
+    default = "bench_gpu" if args.gpu else f"bench_{name}" if args.model else "bench"   # bench_gpu.py's too
+    out = args.out or f"results/{default}{'_quick' if args.quick else ''}{'.md' if args.gpu else '.json'}"
     try:                                                              # now, not after the bench
         check_values(args, unchecked=("deadline",))                   # --deadline inf: no deadline
         check_least(args, 1, ["repeats"])
@@ -439,6 +455,7 @@ def main(argv=None):
             raise ValueError(f"--out {args.out!r}: " + ("with --gpu it names the markdown, and the JSON goes beside "
                              "it as .json: give a .md name" if args.gpu else "it names the JSON, and the tables go "
                              "beside it as .md: give a .json name (--gpu writes the markdown)"))
+        files = out_files(out, args.gpu)
     except ValueError as error:
         parser.error(str(error))
     if args.gpu:   # imported here, not at the top: bench_gpu builds on this module
@@ -461,10 +478,10 @@ def main(argv=None):
     text, record = report(s, results, long, scale, over, lim, time.perf_counter() - wall, machine)
     record["table"] = text
     print(text)
-    Path(out).write_text(json.dumps(record, indent=1, default=str))
-    stem = os.path.splitext(out)[0]
-    Path(stem + ".md").write_text(text + "\n")                               # the tables as printed
-    plot_scaling(scale, stem + "_scaling.png")
+    json_file, md_file, png_file = files
+    Path(json_file).write_text(json.dumps(record, indent=1, default=str))
+    Path(md_file).write_text(text + "\n")                                   # the tables as printed
+    plot_scaling(scale, png_file)
     return record
 
 

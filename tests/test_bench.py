@@ -149,6 +149,43 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_bench_runs(tmp_path
     assert "--out '" in err and "File exists" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, folder, bad", [
+    (["--quick", "--out", "b.json"], "b.md", "b.md"),                            # the tables beside the JSON
+    (["--quick", "--out", "b.json"], "b_scaling.png", "b_scaling.png"),          # the scaling plot
+    (["--quick", "--out", "/proc/b.json"], None, "/proc/b.json"),                # the JSON: a folder it cannot write in
+    (["--gpu", "--quick", "--out", "g.md"], "g.json", "g.json"),                 # bench_gpu's JSON beside its markdown
+    (["--gpu", "--quick"], "results/bench_gpu_quick.json", "results/bench_gpu_quick.json")],   # beside its default
+    ids=["md", "png", "json", "gpu-json", "gpu-default"])
+def test_every_file_bench_writes_is_checked_before_the_bench_runs(tmp_path, monkeypatch, capsys, argv, folder, bad):
+    # check_out_file checked --out alone: a folder where the .md, the _scaling.png or --gpu's .json goes, or a
+    # place no file can be written, failed only when the results were written (IsADirectoryError, minutes later)
+    import bench_gpu
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "build_model", lambda s: pytest.fail("it built the model"))
+    monkeypatch.setattr(bench_gpu, "main", lambda args: pytest.fail("it started the GPU bench"))
+    if folder:
+        (tmp_path / folder).mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    err = capsys.readouterr().err
+    assert f"cannot write {bad!r}" in err and "Traceback" not in err
+    assert all(p.is_dir() for p in tmp_path.rglob("*"))                       # no file left by the check
+
+
+def test_the_check_of_the_files_keeps_a_file_that_is_there(tmp_path, monkeypatch):
+    # the writability check must neither empty an earlier run's JSON nor leave files of its own (a failed run)
+    class Built(Exception):
+        pass
+
+    def build_model(s):
+        raise Built
+    (tmp_path / "b.json").write_text("earlier")
+    monkeypatch.setattr(bench, "build_model", build_model)
+    with pytest.raises(Built):
+        bench.main(["--quick", "--out", str(tmp_path / "b.json")])
+    assert [p.name for p in tmp_path.iterdir()] == ["b.json"] and (tmp_path / "b.json").read_text() == "earlier"
+
+
 def test_the_default_out_folder_is_made_before_any_model_is_built(tmp_path, monkeypatch):
     # Pins main's check_out_file on the default: with no --out, results/ (where every default lies) is made before
     # the work, else a run elsewhere would end in a traceback after minutes of timing
