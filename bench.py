@@ -410,6 +410,10 @@ def out_files(out, gpu):
     bench_gpu.py's markdown and the JSON beside it. Each is opened now (ValueError), not after the measurements."""
     stem = os.path.splitext(out)[0]
     files = [out, str(Path(out).with_suffix(".json"))] if gpu else [out, stem + ".md", stem + "_scaling.png"]
+    if out in files[1:]:   # one would overwrite the other, silently
+        raise ValueError(f"--out {out!r}: " + ("with --gpu it names the markdown, and the JSON goes beside it as "
+                         ".json: give a .md name" if gpu else "it names the JSON, and the tables go beside it as "
+                         ".md: give a .json name (--gpu writes the markdown)"))
     for path in files:
         there = os.path.exists(path)
         try:
@@ -450,11 +454,6 @@ def main(argv=None):
         check_values(args, unchecked=("deadline",))                   # --deadline inf: no deadline
         check_least(args, 1, ["repeats"])
         check_out_file(out)                                           # every default lies in results/; --gpu's too
-        clash = ".json" if args.gpu else ".md"                         # the other file's name: one would overwrite
-        if args.out and Path(args.out).suffix == clash:                # the other, silently
-            raise ValueError(f"--out {args.out!r}: " + ("with --gpu it names the markdown, and the JSON goes beside "
-                             "it as .json: give a .md name" if args.gpu else "it names the JSON, and the tables go "
-                             "beside it as .md: give a .json name (--gpu writes the markdown)"))
         files = out_files(out, args.gpu)
     except ValueError as error:
         parser.error(str(error))
