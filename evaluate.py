@@ -76,9 +76,13 @@ def eval_rewards(model, tokenizer, examples, reward, sparse, max_new_tokens, lor
 
 def eval_both(model, tokenizer, examples, reward, sparse, max_new_tokens, lora=None):
     """train.py's evaluation (a line of eval.jsonl, less its step): the accuracies (exact answers) and mean
-    rewards (partial credit, on pick) with a full cache and through the rollout cache `sparse`."""
-    caches = tqdm((SparseConfig("full"), sparse), desc="evaluate: dense, sparse", leave=False, dynamic_ncols=True)
-    dense, sampled = (eval_rewards(model, tokenizer, examples, reward, c, max_new_tokens, lora) for c in caches)
+    rewards (partial credit, on pick) with a full cache and through the rollout cache `sparse`. A full
+    `sparse` (--policy full) is the dense cache itself: one greedy pass gives both sides."""
+    caches = (SparseConfig("full"),) if sparse.policy == "full" else (SparseConfig("full"), sparse)
+    rewards = [eval_rewards(model, tokenizer, examples, reward, c, max_new_tokens, lora)
+               for c in tqdm(caches, desc=f"evaluate: {'dense, sparse' if len(caches) == 2 else 'dense'}",
+                             leave=False, dynamic_ncols=True)]
+    dense, sampled = rewards[0], rewards[-1]
     return dict(dense=accuracy(dense), sparse=accuracy(sampled), dense_reward=dense.mean().item(),
                 sparse_reward=sampled.mean().item())
 

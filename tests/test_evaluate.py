@@ -213,3 +213,18 @@ def test_its_help_lists_the_flags_that_count_and_it_still_takes_training_ones(ca
         assert f"\n  --{flag} " in shown, flag
     args = train.parse_args(["--steps", "0", "--lr", "3e-5", "--correction", "tis"], evaluate.HELP, TRAINING_ONLY)
     assert (args.lr, args.correction) == (3e-5, "tis")                 # a training command line still parses
+
+
+def test_a_full_rollout_cache_is_evaluated_once_and_reads_as_dense_and_sparse(toy, monkeypatch):
+    # train.py --policy full: its rollout cache is the full one, so eval_both's sparse side is the dense side
+    # (greedy, the same cache); it was sampled twice, every evaluation of a dense run twice as slow as need be
+    model, tokenizer, examples = toy
+    dense = evaluate.eval_rewards(model, tokenizer, examples, edit_match, SparseConfig("full"), 12)
+    calls = []
+    real = evaluate.generate
+    monkeypatch.setattr(evaluate, "generate", lambda *a, **k: calls.append(a[2].policy) or real(*a, **k))
+    both = evaluate.eval_both(model, tokenizer, examples, edit_match, SparseConfig("full"), 12)
+    assert calls == ["full"]                                           # one batch of 7, one pass
+    assert both == dict(dense=evaluate.accuracy(dense), sparse=evaluate.accuracy(dense),
+                        dense_reward=pytest.approx(dense.mean().item()), sparse_reward=pytest.approx(dense.mean().item()))
+    assert list(both) == ["dense", "sparse", "dense_reward", "sparse_reward"]
