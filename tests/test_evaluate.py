@@ -225,6 +225,24 @@ def test_a_full_rollout_cache_is_evaluated_once_and_reads_as_dense_and_sparse(to
     monkeypatch.setattr(evaluate, "generate", lambda *a, **k: calls.append(a[2].policy) or real(*a, **k))
     both = evaluate.eval_both(model, tokenizer, examples, edit_match, SparseConfig("full"), 12)
     assert calls == ["full"]                                           # one batch of 7, one pass
-    assert both == dict(dense=evaluate.accuracy(dense), sparse=evaluate.accuracy(dense),
-                        dense_reward=pytest.approx(dense.mean().item()), sparse_reward=pytest.approx(dense.mean().item()))
+    mean = pytest.approx(dense.mean().item())
+    assert both == dict(dense=evaluate.accuracy(dense), sparse=evaluate.accuracy(dense), dense_reward=mean,
+                        sparse_reward=mean)
     assert list(both) == ["dense", "sparse", "dense_reward", "sparse_reward"]
+
+
+def test_evaluate_only_runs_each_cache_once_and_a_full_one_is_the_dense_row(toy, monkeypatch, capsys):
+    # a repeated --eval-budgets (8 8) or --eval-policies (snapkv snapkv) names the same cache twice, and a full
+    # cache in `configs` is the dense row's own: each was sampled again, its row printed once
+    model, tokenizer, examples = toy
+    calls = []
+    real = evaluate.generate
+    monkeypatch.setattr(evaluate, "generate", lambda *a, **k: calls.append(a[2].policy) or real(*a, **k))
+    long = lambda completion, answer: float(len(completion) >= 10)    # 4 of the 7 dense answers earn it
+    results = evaluate.evaluate_only(model, tokenizer, examples, long,
+                                     [SparseConfig("full", 8), SPARSE, SparseConfig("snapkv", 8, 2, 2, 2)], 12)
+    assert calls == ["full", "snapkv"]                                 # 7 prompts: one batch per cache
+    assert list(results) == ["dense", SPARSE.name]
+    assert results["dense"] == pytest.approx(4 / 7)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert len(rows) == 4                                              # header, rule, dense, snapkv
