@@ -15,6 +15,7 @@ What is notable here:
     python -c "import cost; print(cost.speedup(cost.QWEN3['Qwen3-1.7B'], lambda c: 2048, 32768))"
 """
 from cli import markdown
+from kvcache import DENSE, check_number
 from policies import attended_pages
 
 # Public config.json of Qwen/Qwen3-1.7B, Qwen/Qwen3-4B and Qwen/Qwen3-8B on the Hugging Face hub.
@@ -76,6 +77,8 @@ def speedup(config, schedule, context, prompt=0, stride=64, **kwargs):
     """Predicted rollout speedup over dense: summed dense cost / summed sparse cost of the decode
     steps from `prompt` to `context` tokens (every `stride`-th step), the budget from `schedule`
     (any callable `context length -> budget or None`, as `schedule.Schedule`)."""
+    check_number("stride", stride, 1, DENSE)                  # 0: range()'s error; < 0: no step, blamed on context
+    check_number("prompt", prompt, 0, DENSE)                  # < 0: steps at contexts <= 0, a negative kv_len
     steps = range(prompt + 1, context + 1, stride)
     if not steps:
         raise ValueError(f"no decode step from prompt {prompt} to context {context}: context must exceed prompt")

@@ -80,3 +80,16 @@ def test_kv_bytes_are_what_a_hugging_face_cache_holds(arch, overrides):
     held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     assert kv_bytes(model.config, tokens=11, batch=3, bytes_per=4) == held
     assert kv_bytes(dict(model.config.to_dict()), 11, 3, 4) == held        # a dict of the fields reads the same
+
+
+def test_speedup_names_a_bad_stride_or_prompt():
+    # stride 0 was range()'s "arg 3 must not be zero", naming no argument; a negative stride read "context must
+    # exceed prompt", which it did; a negative prompt priced steps at contexts <= 0 (negative kv_len): a number
+    brute = sum(cost(CONFIG, c, None)["cost"] for c in range(1, 101)) / \
+        sum(cost(CONFIG, c, 8 if c > 8 else None)["cost"] for c in range(1, 101))
+    assert speedup(CONFIG, constant(8), 100, stride=1) == pytest.approx(brute)
+    for stride in (0, -64, 1.5):
+        with pytest.raises(ValueError, match=f"^stride must be a positive integer, got {stride}$"):
+            speedup(CONFIG, constant(8), 100, stride=stride)
+    with pytest.raises(ValueError, match="^prompt must be a non-negative integer, got -10$"):
+        speedup(CONFIG, constant(8), 100, prompt=-10)
