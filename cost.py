@@ -1,4 +1,5 @@
-"""The cost model: what one decode step computes and reads, for any Hugging Face config (docs/method.md section 6).
+"""The cost model: what one decode step computes and reads, for a Llama-style Hugging Face config (docs/method.md
+section 6): grouped-query attention and a gated MLP, as Llama, Qwen3 and SmolLM2.
 
 A decode step multiplies every weight once (2 FLOPs per parameter per row) and attends over each layer's kept
 keys and values; on a GPU it is bound by the bytes it reads (the weights once, then every row's K and V), so
@@ -32,8 +33,11 @@ H100_INTENSITY = 989e12 / 3.35e12   # bf16 dense FLOP/s per byte/s of HBM: ~295 
 
 
 def shape(config):
-    """(layers, heads, kv_heads, head_dim, matmul parameters) of an HF config or a dict of its fields."""
+    """(layers, heads, kv_heads, head_dim, matmul parameters) of a Llama-style HF config or a dict of its fields."""
     get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    needed = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    if missing := [k for k in needed if get(k) is None]:             # GPT-2's: n_inner, no intermediate_size
+        raise ValueError(f"the cost model reads a Llama-style config (gated MLP); this one has no {', '.join(missing)}")
     h, L, n, n_kv = get("hidden_size"), get("num_hidden_layers"), get("num_attention_heads"), get("num_key_value_heads")
     n_kv, d = n_kv or n, get("head_dim") or h // n
     # q and o: h * n * d each; k and v: h * n_kv * d each; gated MLP: 3 * h * intermediate; lm head: V * h

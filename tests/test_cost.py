@@ -93,3 +93,14 @@ def test_speedup_names_a_bad_stride_or_prompt():
             speedup(CONFIG, constant(8), 100, stride=stride)
     with pytest.raises(ValueError, match="^prompt must be a non-negative integer, got -10$"):
         speedup(CONFIG, constant(8), 100, prompt=-10)
+
+
+def test_shape_names_the_fields_a_config_lacks():
+    # GPT-2's config has no intermediate_size (its MLP is n_inner, not gated): was a TypeError, "unsupported operand
+    # type(s) for *: 'int' and 'NoneType'", naming no field
+    from transformers import GPT2Config
+    with pytest.raises(ValueError, match="^the cost model reads a Llama-style config \\(gated MLP\\); this one has no "
+                                         "intermediate_size$"):
+        shape(GPT2Config())
+    with pytest.raises(ValueError, match="no intermediate_size, num_hidden_layers, num_attention_heads, vocab_size$"):
+        shape(dict(hidden_size=8))
