@@ -60,6 +60,10 @@ def cost(config, context, budget=None, batch=1, page_size=None, dense_layers=0, 
     the first `dense_layers` and any budget >= context (or None) read everything.
     Returns dict(flops, bytes, cost) with cost = flops + intensity * bytes (effective FLOPs).
     """
+    for name, value, least in (("context", context, 1), ("batch", batch, 1), ("dense_layers", dense_layers, 0)):
+        check_number(name, value, least, DENSE)       # dense_layers -1 priced L + 1 sparse layers, below the weights
+    if page_size is not None:
+        check_number("page_size", page_size, 1, DENSE)   # 0 read as no page_size: an eviction policy's price
     L, n, n_kv, d, P = shape(config)
     sparse = 0 if budget is None or budget >= context else L - min(dense_layers, L)   # the layers that read less
     kv = context
