@@ -32,9 +32,9 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import bench
-from bench import (EVICTION, HF, LONG_POLICY, agreement, copy_bandwidth, greedy, hf_config, log, pct, random_ids,
-                   ratio, timed)
+from bench import EVICTION, HF, LONG_POLICY, agreement, greedy, hf_config, log, pct, random_ids, ratio
 from cli import markdown
+from clocks import copy_bandwidth, timed
 from correction import ALPHA_TOPK, dense_logprobs
 from cost import kv_bytes
 from kvcache import KVCache, SparseConfig

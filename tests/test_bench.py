@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import bench
+import clocks
 import cost
 import kvcache
 
@@ -108,14 +109,6 @@ def test_the_limit_is_positive_and_the_tables_are_printed(quick):
     for heading in ("### 1. Throughput", "### 2. Memory", "### 3. Scaling", "### 4. Overheads", "### 5. The limit",
                     "### Targets", "Total wall time"):
         assert heading in record["table"]
-
-
-def test_an_eviction_wrapper_is_removed_after_use():
-    names = ("compress", "page_plan", "top_pages")           # block top-k's choice: its shared plan and each layer's
-    before = [getattr(bench.kvcache, name) for name in names]
-    with bench.eviction_clock():
-        assert all(getattr(bench.kvcache, name) is not fn for name, fn in zip(names, before))
-    assert all(getattr(bench.kvcache, name) is fn for name, fn in zip(names, before))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -373,7 +366,8 @@ def test_run_counts_every_choosing_call_and_stamps_every_pass(monkeypatch):
     # remember fails); a run's seconds are its 20 passes' stamps, 2 reads per choosing call and its end; the
     # stamps end with that end; HF chooses nothing (evict_seconds and stamps None) and its prefill is one tick
     ticks, calls = iter(range(10 ** 6)), []
-    monkeypatch.setattr(bench, "clock", lambda device: float(next(ticks)))
+    for module in (bench, clocks):   # run reads bench's clock, its stamps and choosing calls read clocks'
+        monkeypatch.setattr(module, "clock", lambda device: float(next(ticks)))
     for owner, name in ((kvcache, "compress"), (kvcache.Layer, "remember")):
         real = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, _real=real, **k: (calls.append(1), _real(*a, **k))[1])
@@ -396,48 +390,12 @@ def test_run_and_greedy_pass_their_interval_and_extra_arguments_on():
     assert "cache" in bench.greedy(model, ids, "full", 4, s["budget"], s["interval"], record=True)[3].stats
 
 
-def test_others_jiffies_reads_the_machines_busy_jiffies_less_this_process(monkeypatch):
-    # Pins others_jiffies on a fake /proc: the first ("cpu") line, less idle (1000) and iowait (20), less our
-    # utime (30) and stime (12), fields 14 and 15 after a command name that holds ")": 1180 - 1020 - 42 = 118
-    texts = {"/proc/stat": "cpu  100 5 50 1000 20 3 2 0 0 0\ncpu0 1 1 1 1 1 1 1 1 1 1\n",
-             "/proc/self/stat": "42 (a) b) R 1 2 3 4 5 6 7 8 9 10 30 12 99 99 20 0\n"}
-    def read_text(self):
-        if not texts:
-            raise FileNotFoundError(self.path)                          # not Linux: no /proc
-        return texts[self.path]
-    monkeypatch.setattr(bench, "Path", lambda path: type("P", (), dict(path=path, read_text=read_text))())
-    assert bench.others_jiffies() == 118
-    # a machine that runs virtual machines: the kernel adds their time to user and nice and to guest and guest_nice
-    # (proc(5)), so the last two fields are counted already: 60 more in user, 7 more in nice, 60 and 7 in guest
-    texts["/proc/stat"] = "cpu  160 12 50 1000 20 3 2 0 60 7\n"
-    assert bench.others_jiffies() == 118 + 60 + 7
-    texts.clear()
-    assert bench.others_jiffies() is None
-
-
-@pytest.mark.parametrize("jiffies, seconds, load", [((1000, 1300), 2.0, "300 / tick / 2"), ((1000, 900), 2.0, 0.0),
-                                                    ((1000, 1300), 0.5, None), ((None, 1300), 2.0, None)])
-def test_run_clocks_disturbance_is_other_processes_cores_over_the_block(monkeypatch, jiffies, seconds, load):
-    # Pins run_clocks: (after - before) / (clock ticks a second x seconds), the cores others kept busy; never below
-    # 0; None for a block under 1 s (below the tick's resolution) or without /proc
-    reads, times = iter(jiffies), iter([0.0, seconds])
-    monkeypatch.setattr(bench, "others_jiffies", lambda: next(reads))
-    monkeypatch.setattr(bench, "time", type("T", (), dict(perf_counter=staticmethod(lambda: next(times)))))
-    model = type("M", (), dict(device="cpu", register_forward_pre_hook=lambda self, fn: type(
-        "H", (), dict(remove=lambda self: None))()))()
-    with bench.run_clocks(model) as (_, others):
-        pass
-    expected = 300 / bench.os.sysconf("SC_CLK_TCK") / 2 if load == "300 / tick / 2" else load
-    assert others[0] == expected
-
-
-def test_copy_bandwidth_and_the_limit_count_their_work_on_one_tick_timings(monkeypatch):
-    # Pins copy_bandwidth (read + write: 2 x 4 bytes per fp32 value) and limit's rates: on a clock that ticks
-    # once a read every timing is 1 s, so a rate is its work: mm 2 x 8^3 FLOPs (n = s["mm"]), a copy of 32 x 8 x 8
-    # values; both at the given 3 repeats (2 reads each), not copy_bandwidth's default 5
+def test_the_limit_counts_its_work_on_one_tick_timings(monkeypatch):
+    # Pins limit's rates (`clocks.rate`, read on `clocks.clock`): on a clock that ticks once a read every timing
+    # is 1 s, so a rate is its work: mm 2 x 8^3 FLOPs (n = s["mm"]), a copy of 32 x 8 x 8 values (read + write:
+    # 2 x 4 bytes each); both at the given 3 repeats (2 reads each), not copy_bandwidth's default 5
     ticks = iter(range(10 ** 6))
-    monkeypatch.setattr(bench, "clock", lambda device="cpu": float(next(ticks)))
-    assert bench.copy_bandwidth(1000, repeats=2) == 8000.0
+    monkeypatch.setattr(clocks, "clock", lambda device="cpu": float(next(ticks)))
     s = dict(layers=1, hidden=4, heads=2, kv_heads=1, ffn=6, vocab=10, batch=2, prompt=3, new=2, mm=8)
     start = next(ticks)
     lim = bench.limit(s, dict(seconds=2.0), repeats=3)
@@ -491,24 +449,6 @@ def test_the_cpu_bench_names_its_processor_not_a_gpu_beside_it(monkeypatch, tmp_
     assert bench.cpu_name() == f"CPU {cores}"
     fake.unlink()                                                 # not Linux, or unreadable: "CPU", not an error
     assert bench.cpu_name() == f"CPU {cores}"
-
-
-def test_timed_and_rate_read_the_clock_around_the_call_and_skip_the_warm_up(monkeypatch):
-    # Pins timed (clock read before and after fn, not both before) and rate (one untimed warm-up call, then the
-    # median of `repeats` timings) on a clock that only the calls advance, by the "seconds" each one costs
-    now = [0.0]
-    monkeypatch.setattr(bench, "clock", lambda device="cpu": now[0])
-
-    def costing(*costs):
-        costs = iter(costs)
-
-        def fn():
-            now[0] += next(costs)
-            return "done"
-        return fn
-    assert bench.timed(costing(5.0)) == (5.0, "done")
-    assert bench.rate(6, costing(10.0, 2.0), repeats=1) == 3.0            # the 10 s warm-up is not timed: 6 / 2
-    assert bench.rate(12, costing(0.0, 1.0, 1.0, 4.0), repeats=3) == 12.0  # median 1 s (the mean would be 2)
 
 
 def test_the_slowest_eviction_the_most_choosing_the_kv_bound_and_the_disturbed_runs_by_hand():

@@ -9,6 +9,7 @@ import torch
 
 import bench
 import bench_gpu
+import clocks
 import cost
 import kvcache
 import policies
@@ -414,7 +415,7 @@ def test_table_3_times_a_warm_rescoring(monkeypatch, tmp_path):
         calls.append(batch_size)
         now[0] += 100.0 if calls.count(batch_size) == 1 else 1.0
     monkeypatch.setattr(bench_gpu, "dense_logprobs", rescoring)
-    monkeypatch.setattr(bench, "clock", lambda device: now[0])
+    monkeypatch.setattr(clocks, "clock", lambda device: now[0])   # table_3 times with clocks.timed
     s, record = dict(bench_gpu.TINY, stop_at=float("inf")), dict(rescore={}, errors={}, device=torch.device("cpu"))
     model = types.SimpleNamespace(device=torch.device("cpu"))
     bench_gpu.table_3(model, s, bench_gpu.Report(tmp_path / "t.md"), record)

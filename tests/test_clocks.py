@@ -1,0 +1,75 @@
+"""clocks.py counts as it says: each clock on a fake one (a tick a read, or a clock only the calls advance), a
+fake /proc, and kvcache's choosing functions wrapped only inside the block. No timed assertions: speeds differ
+between machines and runs."""
+import pytest
+
+import clocks
+
+
+def test_an_eviction_wrapper_is_removed_after_use():
+    names = ("compress", "page_plan", "top_pages")           # block top-k's choice: its shared plan and each layer's
+    before = [getattr(clocks.kvcache, name) for name in names]
+    with clocks.eviction_clock():
+        assert all(getattr(clocks.kvcache, name) is not fn for name, fn in zip(names, before))
+    assert all(getattr(clocks.kvcache, name) is fn for name, fn in zip(names, before))
+
+
+def test_others_jiffies_reads_the_machines_busy_jiffies_less_this_process(monkeypatch):
+    # Pins others_jiffies on a fake /proc: the first ("cpu") line, less idle (1000) and iowait (20), less our
+    # utime (30) and stime (12), fields 14 and 15 after a command name that holds ")": 1180 - 1020 - 42 = 118
+    texts = {"/proc/stat": "cpu  100 5 50 1000 20 3 2 0 0 0\ncpu0 1 1 1 1 1 1 1 1 1 1\n",
+             "/proc/self/stat": "42 (a) b) R 1 2 3 4 5 6 7 8 9 10 30 12 99 99 20 0\n"}
+    def read_text(self):
+        if not texts:
+            raise FileNotFoundError(self.path)                          # not Linux: no /proc
+        return texts[self.path]
+    monkeypatch.setattr(clocks, "Path", lambda path: type("P", (), dict(path=path, read_text=read_text))())
+    assert clocks.others_jiffies() == 118
+    # a machine that runs virtual machines: the kernel adds their time to user and nice and to guest and guest_nice
+    # (proc(5)), so the last two fields are counted already: 60 more in user, 7 more in nice, 60 and 7 in guest
+    texts["/proc/stat"] = "cpu  160 12 50 1000 20 3 2 0 60 7\n"
+    assert clocks.others_jiffies() == 118 + 60 + 7
+    texts.clear()
+    assert clocks.others_jiffies() is None
+
+
+@pytest.mark.parametrize("jiffies, seconds, load", [((1000, 1300), 2.0, "300 / tick / 2"), ((1000, 900), 2.0, 0.0),
+                                                    ((1000, 1300), 0.5, None), ((None, 1300), 2.0, None)])
+def test_run_clocks_disturbance_is_other_processes_cores_over_the_block(monkeypatch, jiffies, seconds, load):
+    # Pins run_clocks: (after - before) / (clock ticks a second x seconds), the cores others kept busy; never below
+    # 0; None for a block under 1 s (below the tick's resolution) or without /proc
+    reads, times = iter(jiffies), iter([0.0, seconds])
+    monkeypatch.setattr(clocks, "others_jiffies", lambda: next(reads))
+    monkeypatch.setattr(clocks, "time", type("T", (), dict(perf_counter=staticmethod(lambda: next(times)))))
+    model = type("M", (), dict(device="cpu", register_forward_pre_hook=lambda self, fn: type(
+        "H", (), dict(remove=lambda self: None))()))()
+    with clocks.run_clocks(model) as (_, others):
+        pass
+    expected = 300 / clocks.os.sysconf("SC_CLK_TCK") / 2 if load == "300 / tick / 2" else load
+    assert others[0] == expected
+
+
+def test_copy_bandwidth_counts_the_read_and_the_write_on_one_tick_timings(monkeypatch):
+    # Pins copy_bandwidth (read + write: 2 x 4 bytes per fp32 value): on a clock that ticks once a read every
+    # timing is 1 s, so the rate is its work
+    ticks = iter(range(10 ** 6))
+    monkeypatch.setattr(clocks, "clock", lambda device="cpu": float(next(ticks)))
+    assert clocks.copy_bandwidth(1000, repeats=2) == 8000.0
+
+
+def test_timed_and_rate_read_the_clock_around_the_call_and_skip_the_warm_up(monkeypatch):
+    # Pins timed (clock read before and after fn, not both before) and rate (one untimed warm-up call, then the
+    # median of `repeats` timings) on a clock that only the calls advance, by the "seconds" each one costs
+    now = [0.0]
+    monkeypatch.setattr(clocks, "clock", lambda device="cpu": now[0])
+
+    def costing(*costs):
+        costs = iter(costs)
+
+        def fn():
+            now[0] += next(costs)
+            return "done"
+        return fn
+    assert clocks.timed(costing(5.0)) == (5.0, "done")
+    assert clocks.rate(6, costing(10.0, 2.0), repeats=1) == 3.0            # the 10 s warm-up is not timed: 6 / 2
+    assert clocks.rate(12, costing(0.0, 1.0, 1.0, 4.0), repeats=3) == 12.0  # median 1 s (the mean would be 2)
