@@ -33,6 +33,7 @@ import kvcache
 from cli import check_least, check_out_file, check_values, markdown
 from clocks import copy_bandwidth, eviction_clock, rate, run_clocks, timed
 from cost import cost, kv_bytes, shape
+from hook import SUPPORTED_MODELS
 from kvcache import SparseConfig
 from models import load_pretrained
 from report import pyplot
@@ -74,9 +75,9 @@ def build_model(s):
     """A random Llama-family model shaped by `s`, or the pretrained s["model"], whose shape goes into `s`."""
     if "model" in s:
         model, _ = load_pretrained(s["model"])
-        if (family := model.config.model_type) not in kvcache.SUPPORTED_MODELS:   # the fields read below are theirs
+        if (family := model.config.model_type) not in SUPPORTED_MODELS:   # the fields read below are theirs
             raise ValueError(f"model {s['model']!r} is a {family!r} model; supported: "
-                             f"{', '.join(kvcache.SUPPORTED_MODELS)} (the samplers' attention, kvcache.py)")
+                             f"{', '.join(SUPPORTED_MODELS)} (the samplers' attention, hook.py)")
         s.update({ours: getattr(model.config, field) for ours, field in HF_FIELDS.items()})
         s["head_dim"] = getattr(model.config, "head_dim", None)       # Qwen3's is not hidden / heads (`head_dim`)
     else:

@@ -1,25 +1,25 @@
-"""The evictable KV cache and the attention hook (docs/method.md section 2).
+"""The evictable KV cache (docs/method.md section 2); hook.py routes a model's attention through it.
 
 A sparse rollout keeps `budget` tokens per layer and KV head (a prompt over `budget + interval` whole until the
 first decode step). The cache grows to `budget + interval` tokens and is then compressed back to `budget`: a scoring policy
 (policies.py) gives every cached token a score, and each row of the batch and each KV head keeps
-its own top `budget` tokens. Everything else in the repo sees only `KVCache` and `SparseConfig`.
+its own top `budget` tokens. Everything else in the repo sees only `KVCache`, `SparseConfig` and the hook.
 
 What is notable here:
-- Cached keys keep the rotary position they were computed at; the attention mask is built
-  from the absolute positions of the kept slots, so one rule (`key_pos <= query_pos`) serves
-  the prefill and left padding alike, and a decode step, whose keys all came before its query or with it,
-  needs only the valid slots (`key_pos >= 0`), or no mask when it holds no hole.
+- Cached keys keep the rotary position they were computed at, and each kept slot its absolute position
+  (`pos`, -1 for padding or a hole): the attention mask is built from those alone (`hook.visible`), and a
+  decode step, whose keys all came before its query or with it, needs only the valid slots, or no mask
+  when it holds no hole.
 - Every decision is per row: when it compresses, its budget, which of its tokens stay. A row's
   rollout never depends on the other prompts of its batch (tested).
 - Bookkeeping lives on the host: how many tokens each row holds, which rows compress, their
   budgets. A decode step reads nothing back from the GPU, and a compressing step sends what its
   layers need in one asynchronous copy.
-- The hook is a plain attention function registered with transformers' public
-  `AttentionInterface`; any Llama, Mistral, Qwen2 or Qwen3 model runs through it unchanged.
+- The model calls `update` (store each layer's new keys and values, a transformers `Cache`'s job) and the
+  hook calls `attend` (compress if due, then `hook.attention` over the kept slots), once per layer.
 
     cache = KVCache(SparseConfig("snapkv", budget=64), num_layers, max_new_tokens=128)
-    with sparse_attention(model):
+    with hook.sparse_attention(model):
         cache.start_step(positions)            # [B, q] absolute positions, -1 = padding
         model(ids, position_ids=positions.clamp(min=0), **{CACHE_ARG: cache}, kv_cache=cache)
 
@@ -31,24 +31,17 @@ head's best pages (`policies.top_pages`) and attends to those only (compute, not
 """
 import inspect
 import numbers
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AttentionInterface, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 from transformers.cache_utils import Cache
 
-from policies import CHUNK, RESERVED_PAGES, SCORERS, Rows, keep_indices, page_plan, top_pages
+from hook import attention
+from policies import RESERVED_PAGES, SCORERS, Rows, keep_indices, page_plan, top_pages
 
 POLICIES = ("full", "streaming", "h2o", "snapkv", "rkv", "random", "blocktopk")
 DENSE = 2 ** 40  # a budget that never evicts: what a schedule means by "dense"
-SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3")
-# cuDNN's SDPA builds a new execution plan for every new key length, and a dense cache grows by one
-# key per step: in bf16 on an H100 that cost ~8 ms of CPU per call (our decode at 0.13x Hugging Face).
-# The other backends take any length, so they are the only ones our hook lets SDPA choose.
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # transformers 5.24 renamed the models' `past_key_values` argument and output field to `cache`: the old name
 # warns, and goes in 5.40; releases before 5.24 (the GPU machine has 5.17) know only the old one.
 CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
@@ -244,62 +237,6 @@ def to_device(host, device):
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
-# ----------------------------------------------------------------------------- attention
-
-def visible(key_pos, query_pos, sliding_window=None):
-    """Which keys each query may see, from positions alone: key_pos [B, h, S], query_pos [B, q] -> [B, h, q, S].
-
-    A query at p sees the valid keys at positions <= p (and > p - sliding_window for Mistral-style
-    models). A padding query (position -1) sees every slot, so its unused output stays finite.
-    """
-    kp, qp = key_pos[:, :, None, :], query_pos[:, None, :, None]
-    allowed = (kp >= 0) & (kp <= qp)
-    if sliding_window is not None:
-        allowed &= kp > qp - sliding_window
-    return allowed | (qp < 0)
-
-
-def attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=None, masked=True, weights=False):
-    """Attend queries [B, H, q, D] over kept slots [B, H_kv, S, D]; -> (out [B, H, q, D], received or None).
-
-    A decode step (q = 1) treats the G = H / H_kv query heads of a KV head as G query rows of
-    that head: each kept key is read once per group, nothing is copied, and the mask, one row per
-    KV head [B, H_kv, 1, S], broadcasts over the G rows; it is the valid slots alone (`key_pos >= 0`),
-    as a step holds no key after its query, unless a sliding window also hides old ones. The prefill
-    (q > 1, nothing evicted yet, so every KV head holds the same positions) repeats the keys per query head, as Hugging Face's
-    SDPA path does, under one [B, 1, q, S] mask. `masked=False`: the caller knows every slot is
-    visible (a decode step over real tokens). `weights=True` (H2O) computes the softmax explicitly,
-    CHUNK queries at a time, and also returns `received` [B, H, S]: the attention each slot got
-    from this step's real queries.
-    """
-    B, H, q, D = query.shape
-    G = H // keys.shape[1]
-    if q == 1:
-        rows, mask = query.reshape(B, -1, G, D), None
-        if masked:   # every key a decode step holds came before its query or with it: the valid ones are visible
-            mask = key_pos[:, :, None] >= 0 if sliding_window is None else visible(key_pos, query_pos, sliding_window)
-    else:
-        rows, keys, values = query, keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
-        mask = visible(key_pos[:, :1], query_pos, sliding_window)
-    if not weights:   # reshape: CUDA's memory-efficient kernel returns [B, H_kv, G, D] with G and H_kv not adjacent
-        return F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scaling).reshape(B, H, q, D), None
-    outs, received = [], 0.0
-    with torch.autocast(query.device.type, enabled=False):   # H2O's weights in fp32, under bf16 autocast too
-        for start in range(0, rows.shape[2], CHUNK):
-            part = slice(start, start + CHUNK)
-            logits = rows[:, :, part].float() @ keys.float().transpose(-1, -2) * scaling    # upcast first
-            if mask is not None:
-                logits = logits.masked_fill(~(mask if q == 1 else mask[:, :, part]), float("-inf"))
-            w = logits.softmax(-1)
-            outs.append(w.to(values.dtype) @ values)
-            if q == 1:    # the G rows of a KV head are its G query heads (G <= CHUNK: one chunk)
-                received = w.reshape(B, H, -1)
-            else:         # padding queries (position -1) give nothing
-                received = received + (w * (query_pos[:, part] >= 0)[:, None, :, None]).sum(2)
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)    # a decode step is one chunk: no copy
-    return out.reshape(B, H, q, D), received    # reshape: a matmul's output need not be contiguous on every device
-
-
 class KVCache(Cache):
     """A transformers `Cache` that keeps at most `budget + interval` tokens per layer and KV head (a longer
     prompt whole, until the first decode step compresses it).
@@ -436,38 +373,3 @@ class KVCache(Cache):
         steps = [torch.stack([(seen >= 0).sum(-1).float().mean() for seen in layer[1:]]) for layer in self.history
                  if len(layer) > 1]                                  # layer[0] is the prefill
         return (sum(steps) / self.num_layers).tolist() if steps else []
-
-
-# ----------------------------------------------------------------------------- the hook
-
-def sparse_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                             kv_cache=None, sliding_window=None, **kwargs):
-    """transformers attention function "sparse_kv": attention over the `kv_cache`'s kept slots.
-
-    transformers calls it from inside each attention layer after rotary embeddings and
-    `kv_cache.update`; `key`, `value` and the (absent) `attention_mask` are ignored because
-    the cache knows which slots are kept and where they sit.
-    """
-    if kv_cache is None:
-        raise ValueError("the sparse_kv attention needs the cache: call model(..., kv_cache=cache)")
-    out = kv_cache.attend(module.layer_idx, query, scaling, sliding_window)
-    return out.transpose(1, 2), None
-
-
-AttentionInterface.register("sparse_kv", sparse_attention_forward)
-
-
-@contextmanager
-def sparse_attention(model):
-    """Route the model's attention through `sparse_attention_forward` (SDPA without cuDNN) for a block; a clear
-    error for architectures whose attention we have not verified."""
-    model_type = getattr(model.config, "model_type", None)
-    if model_type not in SUPPORTED_MODELS:
-        raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODELS)}")
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("sparse_kv")
-    try:
-        with sdpa_kernel(SDPA_BACKENDS):
-            yield model
-    finally:
-        model.set_attn_implementation(previous)

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from correction import ALPHA_TOPK, MIN_TEMPERATURE   # the top-k that alpha sums over, the same everywhere
-from kvcache import CACHE_ARG, KVCache, SparseConfig, sparse_attention
+from hook import sparse_attention
+from kvcache import CACHE_ARG, KVCache, SparseConfig
 from static import StaticCache, capture
 
 # Whether every row has ended is asked every DONE_EVERY steps, not every step: on a GPU the answer is a

@@ -37,7 +37,8 @@ Speed, eager against this step side by side: bench_static.py.
 """
 import torch
 
-from kvcache import KVCache, attention
+from hook import attention
+from kvcache import KVCache
 from policies import attended_pages, page_plan, top_pages
 
 # A step reads the held slots rounded up to a multiple of SPAN (or the whole buffer, if shorter): at 512 + 1536,

@@ -215,7 +215,7 @@ def test_a_models_default_out_keeps_its_whole_name(monkeypatch, model, name):
 def test_a_model_of_another_family_is_refused_by_name_before_any_timing(monkeypatch, capsys, tmp_path):
     # A GPT-2 config names its shape n_layer / n_head / n_embd and has no num_key_value_heads: build_model read
     # 'GPT2Config' object has no attribute 'num_key_value_heads', a traceback; the sampler runs Llama, Mistral,
-    # Qwen2 and Qwen3 only (kvcache.SUPPORTED_MODELS)
+    # Qwen2 and Qwen3 only (hook.SUPPORTED_MODELS)
     from transformers import GPT2Config, GPT2LMHeadModel
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=64, n_positions=64)).eval()
     monkeypatch.setattr(bench, "load_pretrained", lambda name: (gpt2, None))

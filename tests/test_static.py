@@ -6,7 +6,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 import distill
-import kvcache
+import hook
 import sampler
 from kvcache import SparseConfig
 from schedule import Schedule
@@ -154,7 +154,7 @@ def test_a_static_step_past_max_new_tokens_is_refused_by_name(policy):
     model = tiny_model("llama")
     sparse = SparseConfig(policy, budget=64, interval=4, page_size=4, dense_layers=1)
     cache, prompt = StaticCache(sparse, model.config.num_hidden_layers, max_new_tokens=3), torch.tensor([PROMPTS[0]])
-    with kvcache.sparse_attention(model), torch.no_grad():
+    with hook.sparse_attention(model), torch.no_grad():
         cache.start_step(torch.arange(9)[None])
         sampler.forward(model, prompt, torch.arange(9)[None], cache)
         for p in (9, 10, 11):

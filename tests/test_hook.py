@@ -1,0 +1,92 @@
+"""The attention hook (hook.py): attention over kept slots against a loop of explicit softmaxes, the layouts SDPA
+may return, and the architectures it refuses."""
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import hook
+from hook import attention, sparse_attention
+from kvcache import SparseConfig
+from reference import tiny_model
+from sampler import generate
+
+
+def loop_attention(query, keys, values, key_pos, query_pos, scaling, sliding_window=None):
+    """The reference: for every row, query head and query, a softmax over the keys it may see, one at a time in
+    float64 (a padding query, position -1, sees every slot). -> out [B, H, q, D], weights [B, H, q, S]."""
+    B, H, q, D = query.shape
+    G, S = H // keys.shape[1], keys.shape[2]
+    out, weights = torch.zeros(B, H, q, D, dtype=torch.float64), torch.zeros(B, H, q, S, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for i in range(q):
+                p = query_pos[b, i].item()
+                seen = [s for s in range(S) if p < 0 or (0 <= key_pos[b, h // G, s] <= p and (
+                        sliding_window is None or key_pos[b, h // G, s] > p - sliding_window))]
+                logits = torch.stack([query[b, h, i].double() @ keys[b, h // G, s].double() * scaling for s in seen])
+                w = logits.softmax(0)
+                weights[b, h, i, seen] = w
+                out[b, h, i] = (w[:, None] * values[b, h // G, seen].double()).sum(0)
+    return out, weights
+
+
+def random_qkv(q, S, seed=0, B=2, H=4, H_kv=2, D=8):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, q, D, generator=g), torch.randn(B, H_kv, S, D, generator=g),
+            torch.randn(B, H_kv, S, D, generator=g))
+
+
+@pytest.mark.parametrize("sliding_window", [None, 3])
+@pytest.mark.parametrize("weights", [False, True], ids=["sdpa", "explicit"])
+def test_a_decode_step_over_kept_slots_with_holes_matches_a_loop_of_softmaxes(weights, sliding_window):
+    # each KV head keeps its own positions, with holes (-1) where a compression left fewer than its neighbour
+    query, keys, values = random_qkv(1, 6)
+    key_pos = torch.tensor([[[0, 2, 5, -1, 7, 9], [1, -1, 4, 6, 8, 9]],
+                            [[0, 1, 2, 3, 4, 5], [-1, -1, 0, 3, 4, 5]]])
+    query_pos = torch.tensor([[9], [5]])
+    out, received = attention(query, keys, values, key_pos, query_pos, 0.35, sliding_window, weights=weights)
+    ref, w = loop_attention(query, keys, values, key_pos, query_pos, 0.35, sliding_window)
+    torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=1e-5)
+    if weights:   # H2O: the attention each slot received from the step's query heads
+        torch.testing.assert_close(received.double(), w[:, :, 0], atol=1e-6, rtol=1e-5)
+    else:
+        assert received is None
+
+
+@pytest.mark.parametrize("weights", [False, True], ids=["sdpa", "explicit"])
+def test_a_left_padded_prefill_matches_a_loop_of_softmaxes(weights, monkeypatch):
+    # row 0 is padded by 2: its padding queries see every slot (a finite, unused output) and give no attention;
+    # CHUNK 2 makes the explicit path run its queries in 3 chunks
+    monkeypatch.setattr(hook, "CHUNK", 2)
+    query, keys, values = random_qkv(5, 5, seed=1)
+    key_pos = torch.tensor([[-1, -1, 0, 1, 2], [0, 1, 2, 3, 4]])[:, None].expand(-1, 2, -1)
+    out, received = attention(query, keys, values, key_pos, key_pos[:, 0], 0.35, weights=weights)
+    ref, w = loop_attention(query, keys, values, key_pos, key_pos[:, 0], 0.35)
+    torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=1e-5)
+    if weights:
+        real = (key_pos[:, 0] >= 0).double()[:, None, :, None]                     # [B, 1, q, 1]
+        torch.testing.assert_close(received.double(), (w * real).sum(2), atol=1e-6, rtol=1e-5)
+
+
+def test_unsupported_architecture_is_named():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
+    with pytest.raises(ValueError, match="'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3"):
+        with sparse_attention(gpt2):
+            pass
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "static"])
+def test_attention_takes_sdpa_output_in_the_efficient_kernels_layout(monkeypatch, captured):
+    # On CUDA, SDPA's memory-efficient kernel (every masked decode step, every fp32 one) returns the decode
+    # rows [B, H_kv, G, D] with H_kv and G not adjacent in memory: same values, strides a view cannot merge
+    sdpa = hook.F.scaled_dot_product_attention
+
+    def efficient_layout(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+    model, prompts = tiny_model("llama"), [[5, 9, 3, 7], [4, 17]]                 # ragged: a masked decode
+    sparse = SparseConfig("snapkv", budget=8, interval=3, window=2, sink=2, kernel=3)
+    expected = generate(model, prompts, sparse, max_new_tokens=12, temperature=0, captured=captured)
+    monkeypatch.setattr(hook.F, "scaled_dot_product_attention", efficient_layout)
+    out = generate(model, prompts, sparse, max_new_tokens=12, temperature=0, captured=captured)
+    assert torch.equal(out.tokens, expected.tokens) and torch.equal(out.logprobs, expected.logprobs)
