@@ -143,6 +143,14 @@ def working_file(root, ex):
     return path, source
 
 
+def write_whole(path, text):
+    """Write `text` to a file beside `path`, then rename it onto `path`: a kill mid-write keeps the old file whole.
+    (models.write_text_atomically does the same, but importing models imports transformers: seconds per call.)"""
+    tmp = path.with_name(path.name + ".lab-tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def start(n, root=ROOT):
     """Write exercise n's stub into its file; a one-line report."""
     ex = exercise(n)
@@ -153,7 +161,7 @@ def start(n, root=ROOT):
     if "".join(source.splitlines(keepends=True)[first:end]) != original_function(root, n):
         raise LabError(f"{ex.file}:{ex.function} differs from the committed one: "
                        f"keep your version, or `python lab.py reset {n}` first")
-    path.write_text(stub_source(source, n))
+    write_whole(path, stub_source(source, n))
     stub = lambda other: is_stub(find_function(working_file(root, other)[1], other.function))
     shared = [f"exercise {k} ({other.function})" for k, other in EXERCISES.items()
               if k != int(n) and set(other.tests) & set(ex.tests) and stub(other)]   # exercises 1, 2, 5
@@ -179,9 +187,7 @@ def reset(n, root=ROOT):
         copy = next(folder / name for name in names if not (folder / name).exists())
         copy.write_text(current)
         kept = f"; your version is kept in {copy.relative_to(root)}"
-    tmp = path.with_name(path.name + ".lab-tmp")                       # a kill mid-write keeps the file whole
-    tmp.write_text("".join(lines[:first]) + original + "".join(lines[end:]))
-    os.replace(tmp, path)
+    write_whole(path, "".join(lines[:first]) + original + "".join(lines[end:]))
     return f"exercise {n} reset: {ex.file}:{ex.function} is the committed function again{kept}"
 
 

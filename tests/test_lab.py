@@ -358,3 +358,25 @@ def test_each_python_snippet_of_lab_md_pastes_into_the_python_prompt():
         for line in snippet.splitlines():
             console.push(line)
         assert not console.push("") and errors == [], (errors, snippet[:60])
+
+
+def test_a_kill_while_start_writes_leaves_the_file_whole(tmp_path, monkeypatch):
+    # start wrote the stub over the exercise's file in place (reset went through a temporary file and a rename): a
+    # kill halfway through the write left correction.py cut in two, so that no exercise's tests even imported it
+    root = tmp_path / "r"
+    root.mkdir()
+    original = (lab.ROOT / "correction.py").read_text()
+    (root / "correction.py").write_text(original)
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "copy"]):
+        subprocess.run(GIT + command, cwd=root, check=True)
+    write_text = lab.Path.write_text
+
+    def killed(path, text):                                            # half the text reaches the disk, then the kill
+        write_text(path, text[: len(text) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lab.Path, "write_text", killed)
+    for call in (lambda: lab.start(1, root), lambda: lab.reset(1, root)):
+        with pytest.raises(KeyboardInterrupt):
+            call()
+        assert (root / "correction.py").read_text() == original
