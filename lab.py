@@ -20,11 +20,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 
-Exercise = namedtuple("Exercise", "file function sections tests")   # sections: of docs/method.md
+# sections: of docs/method.md; also: other test files that call the function (its stub turns some of them red)
+Exercise = namedtuple("Exercise", "file function sections tests also", defaults=[()])
 EXERCISES = {
     1: Exercise("correction.py", "importance_weights", "sections 1 and 5", ["tests/test_correction.py"]),
     2: Exercise("correction.py", "rejection_mask", "section 5", ["tests/test_correction.py"]),
-    3: Exercise("policies.py", "snapkv", "section 2", ["tests/test_kvcache.py", "tests/test_policies.py"]),
+    3: Exercise("policies.py", "snapkv", "section 2", ["tests/test_kvcache.py", "tests/test_policies.py"],
+                ["tests/test_correction.py", "tests/test_schedule.py"]),   # they sample through SnapKV
     4: Exercise("schedule.py", "tail_by_bin", "sections 4 and 6", ["tests/test_schedule.py"]),
     5: Exercise("correction.py", "downsample", "section 7", ["tests/test_correction.py"]),
 }
@@ -162,9 +164,15 @@ def start(n, root=ROOT):
         raise LabError(f"{ex.file}:{ex.function} differs from the committed one: "
                        f"keep your version, or `python lab.py reset {n}` first")
     write_whole(path, stub_source(source, n))
-    stub = lambda other: is_stub(find_function(working_file(root, other)[1], other.function))
+
+    def stub(other):   # only for the note: another exercise's file missing or mid-edit stops nothing
+        try:
+            return is_stub(find_function(working_file(root, other)[1], other.function))
+        except (OSError, LabError):
+            return False
+
     shared = [f"exercise {k} ({other.function})" for k, other in EXERCISES.items()
-              if k != int(n) and set(other.tests) & set(ex.tests) and stub(other)]   # exercises 1, 2, 5
+              if k != int(n) and {*other.tests, *other.also} & set(ex.tests) and stub(other)]   # 1, 2, 5; 3
     return (f"exercise {n} started: {ex.file}:{ex.function} now raises NotImplementedError; "
             f"`python lab.py test {n}` should fail" + (f". Note: {' and '.join(shared)} "
             f"{'is a stub and shares its' if len(shared) == 1 else 'are stubs and share their'} tests, whose failures "

@@ -380,3 +380,17 @@ def test_a_kill_while_start_writes_leaves_the_file_whole(tmp_path, monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             call()
         assert (root / "correction.py").read_text() == original
+
+
+def test_starting_beside_the_snapkv_stub_says_so(repo):
+    # test_correction.py and test_schedule.py sample through SnapKV: with exercise 3 a stub, `lab.py test 4` showed
+    # 5 failures and `lab.py test 1` one, each a NotImplementedError of exercise 3, and start said nothing of it
+    try:
+        assert "Note" not in lab.start(3, repo)
+        for n in (1, 4):
+            assert lab.start(n, repo).endswith("Note: exercise 3 (snapkv) is a stub and shares its tests, whose "
+                                               "failures will show too: finish or reset first (LAB.md)")
+            lab.reset(n, repo)
+    finally:
+        for n in (1, 3, 4):
+            lab.reset(n, repo)
