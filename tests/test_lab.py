@@ -394,3 +394,13 @@ def test_starting_beside_the_snapkv_stub_says_so(repo):
     finally:
         for n in (1, 3, 4):
             lab.reset(n, repo)
+
+
+def test_the_python_snippet_that_computes_runs_single_threaded():
+    # LAB.md's numbers are one thread's (the set-up says so), but 4a's trace ran the calibration "in `python`", on
+    # torch's default thread count: on our 2-core EPYC it printed bin 32-47's tail 0.8072, one thread prints 0.8071
+    text = (lab.ROOT / "LAB.md").read_text()
+    for match in re.finditer(r"```python\n(.*?)```", text, re.S):
+        before = text[: match.start()].rsplit("\n\n", 2)[-2]            # the paragraph that introduces it
+        if "main(" in match.group(1):                                  # runs a command's computation
+            assert "OMP_NUM_THREADS=1 python" in before, before
