@@ -57,8 +57,8 @@ def autocast(dtype, device):
 def pick_device(name):
     """The torch.device a `--device` flag names: "auto" (CUDA if torch sees a GPU, else the CPU), "cpu" or
     "cuda"; a ValueError, before any model is loaded, if CUDA is asked for and absent."""
-    cuda = name == "cuda" or name.startswith("cuda:")                 # static.py takes cuda:N too
-    if not cuda and name not in ("auto", "cpu"):                       # train.py's choices; static.py's free text
+    cuda = name == "cuda" or name.startswith("cuda:")                 # bench_static.py takes cuda:N too
+    if not cuda and name not in ("auto", "cpu"):                       # train.py's choices; bench_static.py's free text
         raise ValueError(f"--device {name!r}: give auto, cpu, cuda or cuda:N")
     if cuda and not torch.cuda.is_available():
         raise ValueError(f"--device {name}, but torch sees no CUDA device (is this the CPU build of torch?)")
