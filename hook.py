@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 from policies import CHUNK
+
 SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3")
 # cuDNN's SDPA builds a new execution plan for every new key length, and a dense cache grows by one
 # key per step: in bf16 on an H100 that cost ~8 ms of CPU per call (our decode at 0.13x Hugging Face).
