@@ -160,10 +160,10 @@ def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk
             raise ValueError(f"prompt {i} holds {bad!r:.40}: token ids are integers (no bool, float or text)")
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): min {min(ids)}, max {max(ids)}")
-    count = lambda n: isinstance(n, int) and not isinstance(n, bool) and n >= 1   # True would be a count of 1
+    count = lambda n: integer(n) is not None and integer(n) >= 1   # as the ids: numpy ints too, True no count of 1
     if not count(max_new_tokens):
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    check_length(max(map(len, prompts)), max_new_tokens, model.config)
+    check_length(max(map(len, prompts)), integer(max_new_tokens), model.config)
     real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)   # None: was a TypeError from `<=`
     # NaN, or a temperature so small that logits / temperature overflow: token 0 sampled, NaN log-probs
     if not (real(temperature) and (temperature == 0 or MIN_TEMPERATURE <= temperature < float("inf"))):
@@ -229,6 +229,7 @@ def generate(model, prompts, sparse=None, max_new_tokens=256, temperature=1.0, t
                seed, sparse)
     prompts = [list(map(integer, p)) for p in prompts]      # numpy or 0-d tensor ids: Python ints from here on
     pad_token_id, seed = integer(pad_token_id), integer(seed)
+    max_new_tokens, logprobs_topk = integer(max_new_tokens), integer(logprobs_topk)
     sparse, device = sparse or SparseConfig(), model.device
     # [E] the ids that end a row (E = 0: no EOS), as Python ints: torch.tensor takes no list of 0-d numpy arrays
     ends = torch.tensor([integer(e) for e in end_ids(eos_token_id)], dtype=torch.long, device=device)

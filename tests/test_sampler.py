@@ -357,3 +357,13 @@ def test_top_p_1_filters_nothing_even_where_the_float32_mass_reaches_1_early():
     assert (logp.exp() / noise).argmax(-1).item() == 1                 # the race, unfiltered
     assert sample_token(logp, 1.0, 1.0, noise).item() == 1
     assert sample_token(logp, 1.0, 0.9999, noise).item() == 0
+
+
+@pytest.mark.parametrize("count", [np.int64, torch.tensor], ids=["numpy", "torch"])
+def test_counts_from_numpy_or_a_tensor_are_taken_as_the_integers_they_are(count):
+    # max_new_tokens np.int64(4) was refused as "must be a positive integer, got np.int64(4)", while the seed and the
+    # token ids take numpy integers; the rollouts equal those of the Python ints
+    model = tiny_model("llama")
+    ours = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=count(4), temperature=0,
+                    logprobs_topk=count(3))
+    assert torch.equal(ours.tokens, hf_greedy(model, PROMPTS, 4)) and ours.topk_ids.shape == (3, 4, 3)
