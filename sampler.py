@@ -37,8 +37,9 @@ class Rollouts:
     prompts        list of N prompts, each a list of token ids (no padding)
     tokens         [N, T] long   response tokens; `pad_token_id` after the row ended
     mask           [N, T] float  1.0 for response tokens up to and including EOS, else 0.0
-    logprobs       [N, T] float  sampler log-prob of each chosen token, under the
-                                 temperature-scaled distribution, before top-p (0 where mask is 0)
+    logprobs       [N, T] float  sampler log-prob of each chosen token, under the temperature-scaled
+                                 distribution, before top-p: not renormalised over the nucleus (generate)
+                                 (0 where mask is 0)
     topk_logprobs  [N, T, k]     the sampler's k largest log-probs at each step (same distribution)
     topk_ids       [N, T, k]     their token ids
     stats          dict          peak_kv_tokens, peak_kv_bytes, dense_kv_bytes, tokens_per_s, ...
@@ -218,8 +219,11 @@ def generate(model, prompts, sparse=None, max_new_tokens=256, temperature=1.0, t
     prompts: N lists of token ids (ints, numpy ints or 0-d tensors; any lengths). Left-padded prefill, one token a step
     for every row; a row is done after EOS (`eos_token_id`: an id, or a list of ids as Hugging Face takes),
     the loop stops soon after all rows are done.
-    temperature 0 is greedy (log-probs are then recorded at temperature 1). Reproducible per
-    `seed`. With `record=True`, `kept` holds what each step attended and `stats["cache"]` is the cache.
+    temperature 0 is greedy (log-probs are then recorded at temperature 1, top_p unused). top_p < 1 draws
+    each token from the nucleus, but the log-probs recorded (`logprobs`, `topk_logprobs`) stay those of the whole
+    temperature-scaled distribution, not renormalised over the nucleus: what a dense re-scoring at that temperature
+    gives, not the probability the token was drawn with (train.py samples with top_p 1, where the two agree).
+    Reproducible per `seed`. With `record=True`, `kept` holds what each step attended and `stats["cache"]` is the cache.
     `captured=True` decodes through `static.StaticCache`, whose step keeps its shapes: replayed from a
     CUDA graph on a GPU, run as is elsewhere; the same tokens, log-probs within rounding (static.py).
     Returns `Rollouts` with T = the steps up to the last row's EOS (or max_new_tokens); the cache's

@@ -367,3 +367,19 @@ def test_counts_from_numpy_or_a_tensor_are_taken_as_the_integers_they_are(count)
     ours = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=count(4), temperature=0,
                     logprobs_topk=count(3))
     assert torch.equal(ours.tokens, hf_greedy(model, PROMPTS, 4)) and ours.topk_ids.shape == (3, 4, 3)
+
+
+def test_top_p_samples_from_the_nucleus_but_records_the_whole_distributions_log_probs():
+    # the documented contract (generate, Rollouts.logprobs): with top_p 0.3 every token lies in its step's nucleus,
+    # yet its recorded log-prob is the dense pass's at the temperature, not the nucleus's renormalised one
+    model = tiny_model("llama")
+    out = generate(model, PROMPTS[:1], SparseConfig("full"), max_new_tokens=8, temperature=0.7, top_p=0.3, seed=4,
+                   logprobs_topk=64)
+    probs = out.topk_logprobs[0].exp()                                  # [T, V]: all of it, best first
+    inside = probs.cumsum(-1) - probs < 0.3
+    chosen = (out.topk_ids[0] == out.tokens[0, :, None])
+    assert (chosen & inside).any(-1).all()                              # drawn from the nucleus
+    dense = full_forward_logprobs(model, PROMPTS[0], out.tokens[0].tolist(), temperature=0.7)
+    assert torch.allclose(out.logprobs[0], dense, atol=1e-4)
+    nucleus = dense - (probs * inside).sum(-1).log()                    # renormalised: what was drawn with
+    assert (nucleus - dense).max() > 0.1
