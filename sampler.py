@@ -150,6 +150,8 @@ def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk
         raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r:.80}")
     vocab = model.config.vocab_size
     for i, prompt in enumerate(prompts):
+        if isinstance(prompt, (str, bytes)):   # iterated, text was named by its first letter, bytes taken as ids
+            raise ValueError(f"prompt {i} is text, {prompt!r:.40}: prompts are token ids (tokenize it first)")
         try:
             ids = [integer(t) for t in prompt]
         except TypeError:   # one prompt's ids, [1, 5, 7], given for [[1, 5, 7]]

@@ -221,6 +221,8 @@ def test_bfloat16_runs_close_to_float32():
     ([[True, 2]], {}, "^prompt 0 holds True: token ids are integers \\(no bool, float or text\\)$"),        # was: token 1
     ([[1, 2], [1.7, 2]], {}, "^prompt 1 holds 1.7: token ids are integers"),       # was: cut to 1, silently
     ([[1, "2"]], {}, "^prompt 0 holds '2': token ids are integers"),                 # was: a TypeError from min()
+    (["What is 2+2?"], {}, "^prompt 0 is text, 'What is 2\\+2\\?': prompts are token ids \\(tokenize it first\\)$"),
+    ([[1, 2], b"\x01\x02"], {}, "^prompt 1 is text, b'\\\\x01\\\\x02': prompts are token ids"),   # was: 'holds 1'
     ([1, 5, 7], {}, "^prompt 0 is 1, no list of token ids \\(one prompt: \\[\\[1, 5, 7\\]\\]\\)$"),   # was: a TypeError
     ([[1, 2]], dict(logprobs_topk=0), "logprobs_topk must be a positive integer, got 0"),
     ([[1, 2]], dict(logprobs_topk=True), "logprobs_topk must be a positive integer, got True"),   # was: a TypeError
