@@ -18,9 +18,9 @@ it did not choose): eviction equals masking, so with the adapter the sampler had
 sampler's own log-probs (tested).
 
     lora = LoRA(model, rank=8)                        # B = 0: the adapter starts as the identity
-    with lora.on():
+    with lora.on():                                   # theta + phi, for both
         rollouts = generate(model, prompts, sparse, record=True)   # record: what each step saw
-    logp = sparse_logprobs(model, rollouts)           # theta + phi, the sampler's sparsity, with grad
+        logp = sparse_logprobs(model, rollouts)       # the sampler's sparsity, with grad
     loss, stats = distill_loss(logp, rollouts, logp_old, advantages)
 
 The adapter is applied on the fly, by forward hooks on the linear layers, never merged into the

@@ -357,3 +357,20 @@ def test_a_nested_on_block_leaves_the_adapter_on_for_the_outer_block():
                 assert torch.allclose(layer(x), adapted, atol=1e-5)
             assert torch.allclose(layer(x), adapted, atol=1e-5)                  # still theta + phi
         assert torch.equal(layer(x), x @ layer.weight.T) and not lora.active      # off after the outer block
+
+
+def test_the_module_docstrings_example_scores_with_theta_plus_phi():
+    # the example's sparse_logprobs line says "theta + phi, the sampler's sparsity", but it stood after the
+    # `with lora.on()` block, where the adapter is off: once phi has moved, it scored theta alone. Reference: the
+    # sampler's own log-probs, recorded with theta + phi (B moved, as after some steps of training)
+    model = tiny_model("llama")
+    lines = distill.__doc__.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("lora = LoRA("))
+    end = next(i for i in range(start, len(lines)) if lines[i].strip().startswith("loss, stats = distill_loss("))
+    example = "\n".join(line[4:].split("#")[0].rstrip() for line in lines[start:end + 1])
+    scope = dict(LoRA=lambda model, rank: moved_adapter(model), generate=generate, model=model, prompts=PROMPTS,
+                 sparse=CONFIGS["snapkv"], sparse_logprobs=distill.sparse_logprobs, distill_loss=distill.distill_loss,
+                 logp_old=torch.zeros(3, 20), advantages=torch.ones(3))
+    exec(example.replace("record=True)", "record=True, max_new_tokens=20)"), scope)
+    assert scope["lora"].B["layers/0/self_attn/q_proj"].any()
+    assert ((scope["logp"] - scope["rollouts"].logprobs) * scope["rollouts"].mask).abs().max() < 1e-4
