@@ -29,7 +29,9 @@ It lives beside the model, so `save_pretrained` writes the plain policy; `save` 
 adapter in a safetensors file of its own.
 """
 import math
+import os
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -39,7 +41,7 @@ from safetensors.torch import save_file
 from transformers import AttentionInterface
 
 import correction as C
-from models import autocast
+from models import autocast, to_disk
 
 LAMBDA = 1e-3       # Sparrow's dense_kl_loss_coef
 ALPHA = 16          # Sparrow's sparse_lora_alpha; the scale of the update is alpha / rank
@@ -107,9 +109,20 @@ class LoRA(nn.Module):
         return {f"{part}.{key}": p for part, params in (("A", self.A), ("B", self.B)) for key, p in params.items()}
 
     def save(self, path):
-        """A and B as safetensors, alpha in the file's metadata: the same alpha / rank comes back."""
-        save_file({k: p.detach().contiguous() for k, p in self.tensors().items()}, str(path),
-                  metadata={"alpha": repr(float(self.alpha))})   # float: repr(np.float64(16.0)) reads back as no number
+        """A and B as safetensors, alpha in the file's metadata: the same alpha / rank comes back. Written beside
+        `path`, then renamed onto it: a save cut short (a full disk, a kill) keeps the file that was there whole."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            # float: repr(np.float64(16.0)) reads back as no number
+            save_file({k: p.detach().contiguous() for k, p in self.tensors().items()}, str(tmp),
+                      metadata={"alpha": repr(float(self.alpha))})
+            to_disk(tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, path)
+        to_disk(path.parent)
 
     @staticmethod
     def read(path):

@@ -2,6 +2,7 @@
 forward reproduces the sampler; the loss by hand; each optimizer moves only its own weights."""
 import copy
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -374,3 +375,25 @@ def test_the_module_docstrings_example_scores_with_theta_plus_phi():
     exec(example.replace("record=True)", "record=True, max_new_tokens=20)"), scope)
     assert scope["lora"].B["layers/0/self_attn/q_proj"].any()
     assert ((scope["logp"] - scope["rollouts"].logprobs) * scope["rollouts"].mask).abs().max() < 1e-4
+
+
+def test_a_save_that_fails_midway_keeps_the_adapter_file_that_was_there(tmp_path, monkeypatch):
+    # save wrote the safetensors file in place: a write cut short (a full disk, a kill) left the old adapter torn,
+    # and load could read neither it nor the new one. Reference: the adapter saved before, loaded back bit for bit
+    path = tmp_path / "adapter.safetensors"
+    model = tiny_model("llama")
+    before = moved_adapter(model, seed=0)
+    before.save(path)
+    real = distill.save_file
+
+    def cut_short(tensors, filename, metadata=None):
+        real(tensors, filename, metadata=metadata)
+        Path(filename).write_bytes(Path(filename).read_bytes()[:100])
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(distill, "save_file", cut_short)
+    with pytest.raises(OSError, match="No space left"):
+        moved_adapter(model, seed=1).save(path)
+    again = distill.LoRA(tiny_model("llama"), 4)
+    again.load(path)
+    assert all(torch.equal(p, before.tensors()[k]) for k, p in again.tensors().items())
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter.safetensors"]        # nothing half-written left beside
