@@ -155,7 +155,9 @@ class LoRA(nn.Module):
     def put(self, saved, alpha, path):
         """Copy in the tensors `LoRA.read` got from `path` (named in the errors), after the checks `load` names."""
         mine = self.tensors()
-        if (rank := saved_rank(saved)) != self.rank:
+        if (rank := saved_rank(saved)) is None:   # not "rank None": no --lora-rank would fit it
+            raise ValueError(f"{path} holds no adapter: none of its {len(saved)} tensors is an A.<layer> (rank x in)")
+        if rank != self.rank:
             raise ValueError(f"{path} holds a rank-{rank} adapter, this one has rank {self.rank} (train.py: resume "
                              "with the --lora-rank it was trained with)")
         if alpha != self.alpha:

@@ -397,3 +397,13 @@ def test_a_save_that_fails_midway_keeps_the_adapter_file_that_was_there(tmp_path
     again.load(path)
     assert all(torch.equal(p, before.tensors()[k]) for k, p in again.tensors().items())
     assert [p.name for p in tmp_path.iterdir()] == ["adapter.safetensors"]        # nothing half-written left beside
+
+
+def test_loading_a_file_that_holds_no_adapter_says_so(tmp_path):
+    # a safetensors file of other tensors (a model's weights) was refused as "a rank-None adapter", with the advice to
+    # resume with another --lora-rank: no rank would have done
+    path = tmp_path / "model.safetensors"
+    save_file({"lm_head.weight": torch.zeros(64, 64)}, str(path))
+    with pytest.raises(ValueError) as error:
+        distill.LoRA(tiny_model("llama"), 4).load(path)
+    assert str(error.value) == f"{path} holds no adapter: none of its 1 tensors is an A.<layer> (rank x in)"
