@@ -252,6 +252,7 @@ def distill_loss(logp, rollouts, logp_old, advantages, variant="ppo-kl", lam=LAM
         raise ValueError(f"the distillation variant must be 'ppo-kl' or 'kl', got {variant!r}")
     if variant == "ppo-kl" and not 0 <= lam < math.inf:   # NaN too; policy_loss would name it kl_coef, not lam
         raise ValueError(f"lam, the KL term's weight, must be a finite number >= 0, got {lam}")
+    C.check_shapes(logp=logp, logp_old=logp_old)          # policy_loss would name it logp_ref
     if variant == "kl":
         advantages, lam = torch.zeros_like(advantages), 1.0
     loss, stats = C.policy_loss(logp, logp.detach(), advantages, rollouts.mask, kl_coef=lam, logp_ref=logp_old,

@@ -407,3 +407,14 @@ def test_loading_a_file_that_holds_no_adapter_says_so(tmp_path):
     with pytest.raises(ValueError) as error:
         distill.LoRA(tiny_model("llama"), 4).load(path)
     assert str(error.value) == f"{path} holds no adapter: none of its 1 tensors is an A.<layer> (rank x in)"
+
+
+@pytest.mark.parametrize("variant", ["ppo-kl", "kl"])
+def test_a_misshapen_logp_old_is_named_as_logp_old(variant):
+    # policy_loss receives it as logp_ref (its own logp_old is the forward's log-probs, detached), and its error named
+    # logp_ref, an argument distill_loss does not have
+    from sampler import Rollouts
+    rollouts = Rollouts([[1], [1]], torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), torch.zeros(2, 3),
+                        torch.zeros(2, 3, 1), torch.zeros(2, 3, 1))
+    with pytest.raises(ValueError, match=r"^logp_old has shape \(2, 2\), expected \(2, 3\) like logp$"):
+        distill.distill_loss(torch.zeros(2, 3), rollouts, torch.zeros(2, 2), torch.ones(2), variant)
