@@ -29,9 +29,7 @@ It lives beside the model, so `save_pretrained` writes the plain policy; `save` 
 adapter in a safetensors file of its own.
 """
 import math
-import os
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -41,7 +39,7 @@ from safetensors.torch import save_file
 from transformers import AttentionInterface
 
 import correction as C
-from models import autocast, to_disk
+from models import autocast, write_file_atomically
 
 LAMBDA = 1e-3       # Sparrow's dense_kl_loss_coef
 ALPHA = 16          # Sparrow's sparse_lora_alpha; the scale of the update is alpha / rank
@@ -111,18 +109,10 @@ class LoRA(nn.Module):
     def save(self, path):
         """A and B as safetensors, alpha in the file's metadata: the same alpha / rank comes back. Written beside
         `path`, then renamed onto it: a save cut short (a full disk, a kill) keeps the file that was there whole."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            # float: repr(np.float64(16.0)) reads back as no number
-            save_file({k: p.detach().contiguous() for k, p in self.tensors().items()}, str(tmp),
-                      metadata={"alpha": repr(float(self.alpha))})
-            to_disk(tmp)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        os.replace(tmp, path)
-        to_disk(path.parent)
+        tensors = {k: p.detach().contiguous() for k, p in self.tensors().items()}
+        # float: repr(np.float64(16.0)) reads back as no number
+        metadata = {"alpha": repr(float(self.alpha))}
+        write_file_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
     @staticmethod
     def read(path):

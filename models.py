@@ -356,13 +356,23 @@ def to_disk(path):
         os.close(fd)
 
 
-def write_text_atomically(path, text):
-    """Write `text` to a file beside `path`, then rename it onto `path`: a kill mid-write keeps the old file whole."""
+def write_file_atomically(path, write):
+    """Run write(tmp) for a file `tmp` beside `path`, then rename it onto `path`: a kill mid-write keeps the old
+    file whole, and a write that fails leaves nothing beside it."""
     tmp = Path(path).with_name(Path(path).name + ".tmp")
-    tmp.write_text(text)
-    to_disk(tmp)
+    try:
+        write(tmp)
+        to_disk(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     to_disk(tmp.parent)
+
+
+def write_text_atomically(path, text):
+    """`text` into the file at `path`, whole or not at all (`write_file_atomically`)."""
+    write_file_atomically(path, lambda tmp: tmp.write_text(text))
 
 
 def save_atomically(folder, write):

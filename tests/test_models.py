@@ -87,6 +87,19 @@ def test_what_is_renamed_into_place_reaches_the_disk_first(tmp_path, monkeypatch
     assert events == [inode(tmp_path / "log.jsonl"), "-> log.jsonl", inode(tmp_path)]
 
 
+def test_a_file_write_that_fails_keeps_the_old_file_and_leaves_nothing_beside_it(tmp_path):
+    # write_text_atomically left its half-written .tmp behind when the write raised (a full disk, a Ctrl-C)
+    path = tmp_path / "log.jsonl"
+    path.write_text("old\n")
+
+    def half(tmp):
+        tmp.write_text("ne")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        models.write_file_atomically(path, half)
+    assert path.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl"]
+
+
 def test_a_saved_folder_has_the_umask_mode_of_any_other(tmp_path):
     # was 0700 (tempfile.mkdtemp's), whatever the umask: a run folder shared in a course was its owner's alone
     umask = os.umask(0o022)
