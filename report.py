@@ -121,7 +121,12 @@ def read_run(folder):
         if not path.is_file():
             raise ValueError(f"{folder!r} is not a train.py run folder: it holds no {name}"
                              + (" (results/runs is made by `bash reproduce.sh`)" if "results/runs" in str(folder) else ""))
-        numbered = [(number, text) for number, text in enumerate(path.read_text().splitlines(), 1) if text.strip()]
+        try:
+            content = path.read_text()
+        except UnicodeDecodeError as error:                # a packed or binary file: name it, not the codec
+            raise ValueError(f"{path} is not text (UTF-8): byte {error.object[error.start]:#04x} at "
+                             f"position {error.start}") from None
+        numbered = [(number, text) for number, text in enumerate(content.splitlines(), 1) if text.strip()]
         lines = []
         for number, text in numbered:
             try:

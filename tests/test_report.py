@@ -504,3 +504,12 @@ budgets
     assert lines[2] == (f"{tmp_path}/calibrate-distill-s?-off.log: no schedule written (unfinished or not run): "
                         "rerun its experiment (schedule or distill)")                  # no distill calibration ran
     assert done.stderr == ""
+
+
+def test_a_log_that_is_not_text_is_named(tmp_path):
+    # a gzipped metrics.jsonl (say, fetched packed) was "error: 'utf-8' codec can't decode byte 0x8b in position 1:
+    # invalid start byte", naming no file
+    folder = write_run(tmp_path / "r-s0", [line(1, 100, 0, 0, 1, 1, (1, 0, 0), [1.0])], [(0, .5, .5)])
+    (tmp_path / "r-s0" / "metrics.jsonl").write_bytes(b"\x1f\x8b\x08\x00packed")
+    with pytest.raises(ValueError, match="^.*r-s0/metrics.jsonl is not text \\(UTF-8\\): byte 0x8b at position 1$"):
+        report.read_run(folder)
