@@ -140,8 +140,9 @@ def read_run(folder):
             if lacking := [key for key in keys if key not in line]:
                 raise ValueError(f"{path} line {number} has no {lacking[0]!r}: not a train.py log")
             lines.append(line)
-        if not lines:
-            raise ValueError(f"{path} is empty")
+        if not lines:                                  # blank, or one line a killed run left half written
+            raise ValueError(f"{path} holds no whole line: its only line, {numbered[0][0]}, is half written "
+                             "(not JSON)" if numbered else f"{path} is empty")
         logs.append(sorted({line["step"]: line for line in lines}.values(), key=lambda line: line["step"]))
     return tuple(logs)
 

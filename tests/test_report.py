@@ -513,3 +513,12 @@ def test_a_log_that_is_not_text_is_named(tmp_path):
     (tmp_path / "r-s0" / "metrics.jsonl").write_bytes(b"\x1f\x8b\x08\x00packed")
     with pytest.raises(ValueError, match="^.*r-s0/metrics.jsonl is not text \\(UTF-8\\): byte 0x8b at position 1$"):
         report.read_run(folder)
+
+
+def test_a_log_of_one_half_written_line_is_not_called_empty(tmp_path):
+    # a run killed while writing its first metrics line: the file holds '{"step": 1, "rew' and was "... is empty"
+    folder = write_run(tmp_path / "r-s0", [], [(0, .5, .5)])
+    (tmp_path / "r-s0" / "metrics.jsonl").write_text('{"step": 1, "rew')
+    with pytest.raises(ValueError, match="r-s0/metrics.jsonl holds no whole line: its only line, 1, is half written "
+                                         "\\(not JSON\\)$"):
+        report.read_run(folder)
