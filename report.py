@@ -175,6 +175,8 @@ def comparison_rows(groups, robust=None):
 
     steps              the last evaluation's step (a run cut short by a time limit ends before its --steps):
                        "first-last" where the seeds end at different steps (`report_text` says which)
+    vetoed, train time totals over the steps up to it, the training behind the 'after' columns (a killed run
+                       logs steps past its last evaluation); the other columns are means over every logged step
     sparse before RL   what eviction costs the warm-started model
     of first's gain    "-" unless the first variant's gain exceeds its std over seeds (a ratio to noise is noise)
     """
@@ -185,6 +187,7 @@ def comparison_rows(groups, robust=None):
     rows = []
     for variant, runs in groups.items():
         metrics, evals = [m for m, _ in runs], [e for _, e in runs]
+        behind = [[m for m in ms if m["step"] <= e[-1]["step"]] for ms, e in runs]   # the steps before 'after'
         ends = last_steps(runs)
         row = [variant, len(runs), f"{ends[0]}-{ends[-1]}" if len(ends) > 1 else str(ends[0]),
                pm([e[0]["dense"] for e in evals]), pm([e[0]["sparse"] for e in evals]),
@@ -195,8 +198,8 @@ def comparison_rows(groups, robust=None):
         per_step = lambda f: np.mean([np.mean([f(m) for m in ms]) for ms in metrics])  # mean over steps, then seeds
         row += [f"{per_step(lambda m: m['peak_kv_bytes'] / m['dense_kv_bytes']):.1%}",
                 f"{np.mean([total('dropped_tokens', ms) / max(total('tokens', ms), 1) for ms in metrics]):.1%}",
-                f"{np.mean([total('vetoed', ms) for ms in metrics]):.1f}",
-                f"{np.mean([sum(map(seconds, ms)) for ms in metrics]):.0f}"]
+                f"{np.mean([total('vetoed', ms) for ms in behind]):.1f}",
+                f"{np.mean([sum(map(seconds, ms)) for ms in behind]):.0f}"]
         row += [f"{per_step(f):.2f}" for f in (seconds, lambda m: m["rollout_s"], lambda m: m["scoring_s"],
                                                 lambda m: m["update_s"] + m.get("distill_s", 0))]  # the adapter too
         rows.append(row)
@@ -255,12 +258,14 @@ def report_text(groups, budgets=(), robust=None):
             "(after - before) and its share of the first variant's"
             + (", or its cache at budget B (sparse @ B)" if budgets else "") + "; mean over seeds of: the rollouts' "
             "peak KV against a full cache, the share of response tokens the rejection dropped, the responses it "
-            "vetoed, and the seconds spent sampling, re-scoring and updating (in all, then per step and by part).", "",
+            "vetoed, and the seconds spent sampling, re-scoring and updating (in all up to the last evaluation, then "
+            "per step and by part).", "",
             cli.markdown(header, comparison_rows(groups, robust))]
     for variant, runs in groups.items():   # an unfinished seed moves its variant's means: said, not hidden
         if len(ends := last_steps(runs)) > 1:
             text += ["", f"Note: the seeds of {variant} end at different steps ({', '.join(map(str, ends))}; a run cut "
-                     "short ends early), so its 'after' columns and times average runs of different lengths."]
+                     "short ends early), so its 'after' columns, vetoed and train time average runs of different "
+                     "lengths."]
     tails = tail_by_variant(groups)
     bins = sorted({b for t in tails.values() for b in t})
     text += ["", "Acceptance tail by context length: the 5th percentile of alpha = 1 - TV(p_dense, p_sparse) "

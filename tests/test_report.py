@@ -370,7 +370,7 @@ def test_seeds_that_end_at_different_steps_are_shown_and_said(tmp_path):
     assert [row[:3] for row in report.comparison_rows(groups)] == [["v", 3, "2-5"], ["w", 2, "5"]]
     notes = [l for l in report.report_text(groups).splitlines() if l.startswith("Note:")]
     assert notes == ["Note: the seeds of v end at different steps (2, 5; a run cut short ends early), so its 'after' "
-                     "columns and times average runs of different lengths."]
+                     "columns, vetoed and train time average runs of different lengths."]
 
 
 def test_the_mean_curve_averages_the_steps_every_seed_logged():
@@ -522,3 +522,18 @@ def test_a_log_of_one_half_written_line_is_not_called_empty(tmp_path):
     with pytest.raises(ValueError, match="r-s0/metrics.jsonl holds no whole line: its only line, 1, is half written "
                                          "\\(not JSON\\)$"):
         report.read_run(folder)
+
+
+def test_totals_count_the_steps_up_to_the_last_evaluation(tmp_path):
+    # both seeds' 'after' is their evaluation at step 2; seed 1 was killed (gpu_smollm2.sh's time limit) after a
+    # step 3 of 10 s and 4 vetoes, before its evaluation at 4. Train time and vetoed are what led to the 'after'
+    # columns: 1 + 1 s and 0 vetoes in each seed -> "2", "0.0", no note (both end at 2). Counting step 3 gave
+    # (2 + 12) / 2 = 7 s and 2.0 vetoes, beside the same 'after', and no note said the runs' lengths differ.
+    # The per-step columns stay means over every logged step: (1 + (1 + 1 + 10) / 3) / 2 = 2.50 s a step.
+    steps = [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in (1, 2)]
+    killed = steps + [line(3, 100, 0, 4, 1, 1, (10, 0, 0), [1.0])]
+    groups = {"v": [report.read_run(write_run(tmp_path / f"v-s{i}", m, [(0, .5, .5), (2, .6, .6)]))
+                    for i, m in enumerate((steps, killed))]}
+    row = report.comparison_rows(groups)[0]
+    assert row[2] == "2" and row[11:14] == ["0.0", "2", "2.50"]
+    assert "Note:" not in report.report_text(groups)
