@@ -114,7 +114,8 @@ LOG_KEYS = {"metrics.jsonl": ("reward", "tokens", "dropped_tokens", "vetoed", "p
 
 def read_run(folder):
     """(metrics lines, eval lines) of a `train.py --out` folder, each sorted by step (a repeated step: its last line).
-    An error names the first bad line by its number in the file (blank lines count: an editor's line number)."""
+    An error names the first bad line by its number in the file (blank lines count: an editor's line number), or an
+    eval.jsonl whose first evaluation is not step 0's."""
     logs = []
     for name, keys in LOG_KEYS.items():
         path = Path(folder) / name
@@ -144,6 +145,9 @@ def read_run(folder):
             raise ValueError(f"{path} holds no whole line: its only line, {numbered[0][0]}, is half written "
                              "(not JSON)" if numbered else f"{path} is empty")
         logs.append(sorted({line["step"]: line for line in lines}.values(), key=lambda line: line["step"]))
+    if (first := logs[1][0]["step"]) != 0:                 # 'before RL' and the gain read the first as step 0's
+        raise ValueError(f"{Path(folder) / 'eval.jsonl'} starts at step {first}: it lacks the evaluation before RL, "
+                         "at step 0 (train.py writes it first)")
     return tuple(logs)
 
 

@@ -537,3 +537,13 @@ def test_totals_count_the_steps_up_to_the_last_evaluation(tmp_path):
     row = report.comparison_rows(groups)[0]
     assert row[2] == "2" and row[11:14] == ["0.0", "2", "2.50"]
     assert "Note:" not in report.report_text(groups)
+
+
+def test_an_eval_log_without_its_step_0_evaluation_is_named(tmp_path):
+    # 'before RL' and the dense gain read a run's first evaluation as step 0's (train.py writes it first): an
+    # eval.jsonl cut to steps 2 and 3 printed step 2's 0.7 as "dense before RL" and a gain of 0.1, not 0.3
+    folder = write_run(tmp_path / "r-s0", [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in (1, 2, 3)],
+                       [(2, .7, .7), (3, .8, .8)])
+    with pytest.raises(ValueError, match="r-s0/eval.jsonl starts at step 2: it lacks the evaluation before RL, at "
+                                         "step 0 \\(train.py writes it first\\)$"):
+        report.read_run(folder)
