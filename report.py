@@ -174,7 +174,8 @@ def last_steps(runs):
 
 def comparison_rows(groups, robust=None):
     """One row per variant of {variant: [(metrics, evals) per seed]}: the cells under `report_text`'s header, whose
-    line above the table says what each column holds; accuracies as mean ± std over seeds, the rest as means.
+    line above the table says what each column holds; accuracies as mean ± sample std over seeds (a single seed's
+    value alone: one seed measures no spread), the rest as means.
     `robust`: {variant: [[accuracy at each budget B] per seed]}. Where that line is brief:
 
     steps              the last evaluation's step (a run cut short by a time limit ends before its --steps):
@@ -184,7 +185,7 @@ def comparison_rows(groups, robust=None):
     sparse before RL   what eviction costs the warm-started model
     of first's gain    "-" unless the first variant's gain exceeds its std over seeds (a ratio to noise is noise)
     """
-    pm = lambda values: "{:.3f} ± {:.3f}".format(*mean_std(values))
+    pm = lambda values: "{:.3f} ± {:.3f}".format(*mean_std(values)) if len(values) > 1 else f"{values[0]:.3f}"
     gain = lambda evals: [e[-1]["dense"] - e[0]["dense"] for e in evals]       # one per seed
     first, std = mean_std(gain([e for _, e in next(iter(groups.values()))]))
     first = first if first > std else 0
@@ -257,9 +258,10 @@ def report_text(groups, budgets=(), robust=None):
     header = ["variant", "seeds", "steps", "dense before RL", "sparse before RL", "dense", "sparse", "dense gain",
               f"of {base}'s gain", *[f"sparse @ {b}" for b in budgets], "peak KV vs dense", "dropped tokens",
               "vetoed", "train time (s)", "s/step", "sampling", "re-scoring", "update"]
-    text = ["Greedy accuracy on each run's held-out prompts, mean ± std over seeds: with a full cache (dense) and "
-            "through the run's training cache (sparse; full for a dense run), before and after RL; the dense gain "
-            "(after - before) and its share of the first variant's"
+    text = ["Greedy accuracy on each run's held-out prompts, mean ± sample std over seeds (divided by n - 1; a "
+            "single seed's value alone): with a full cache (dense) and through the run's training cache (sparse; "
+            "full for a dense run), before and after RL; the dense gain (after - before) and its share of the first "
+            "variant's"
             + (", or its cache at budget B (sparse @ B)" if budgets else "") + "; mean over seeds of: the rollouts' "
             "peak KV against a full cache, the share of response tokens the rejection dropped, the responses it "
             "vetoed, and the seconds spent sampling, re-scoring and updating (in all up to the last evaluation, then "

@@ -88,8 +88,8 @@ def test_the_tables_hold_the_hand_computed_numbers(runs, tmp_path, capsys):
                                   "0.200 ± 0.141", "100%", "48.3%", "6.9%", "2.0", "8", "2.67", "1.67", "0.50", "0.50"]
     assert comparison["pods"] == ["2", "3", "0.500 ± 0.000", "0.500 ± 0.000", "0.800 ± 0.141", "0.600 ± 0.141",
                                   "0.300 ± 0.141", "150%", "100.0%", "0.0%", "0.0", "6", "2.00", "2.00", "0.00", "0.00"]
-    assert comparison["naive"] == ["1", "3", "0.500 ± 0.000", "0.300 ± 0.000", "0.650 ± 0.000", "0.100 ± 0.000",
-                                   "0.150 ± 0.000", "75%", "25.0%", "5.0%", "0.0", "9", "3.00", "1.00", "1.00", "1.00"]
+    assert comparison["naive"] == ["1", "3", "0.500", "0.300", "0.650", "0.100", "0.150", "75%", "25.0%", "5.0%",
+                                   "0.0", "9", "3.00", "1.00", "1.00", "1.00"]           # one seed: no spread
     # bin 0-15: (1 + .9 + 1 + .8 + 1 + .9) / 6; 16-31: (.8 + .6 + .7 + .5) / 4; 32-47: (.2 + .4) / 2
     assert tail == {"variant": ["0-15", "16-31", "32-47"], "grpo": ["0.933", "0.650", "0.300"],
                     "pods": ["1.000", "-", "-"], "naive": ["0.500", "0.400", "-"]}
@@ -285,7 +285,7 @@ def test_robust_budgets_reproduce_the_runs_own_final_evaluations(tmp_path, capsy
     report.main(["runs", str(folder), "--robust-budgets", "10", "64", "--out", str(tmp_path / "r")])
     comparison = tables(capsys.readouterr().out)[0]
     assert comparison["variant"][8:10] == ["sparse @ 10", "sparse @ 64"]
-    assert comparison["tiny"][8:10] == [f"{sparse:.3f} ± 0.000", f"{final['dense']:.3f} ± 0.000"]
+    assert comparison["tiny"][8:10] == [f"{sparse:.3f}", f"{final['dense']:.3f}"]                  # one seed
 
 
 def test_no_share_of_a_gain_within_the_noise(tmp_path):
@@ -297,7 +297,7 @@ def test_no_share_of_a_gain_within_the_noise(tmp_path):
               "other": [report.read_run(write_run(tmp_path / "other-s0", steps, evals(.7)))]}
     rows = {r[0]: r for r in report.comparison_rows(groups)}
     assert rows["base"][8] == "-" and rows["other"][8] == "-"
-    assert rows["other"][7] == "0.200 ± 0.000"
+    assert rows["other"][7] == "0.200"
 
 
 def test_inference_runs_the_first_limit_questions_and_compares_each_row_to_the_dense_one(tmp_path, monkeypatch, capsys):
@@ -547,3 +547,13 @@ def test_an_eval_log_without_its_step_0_evaluation_is_named(tmp_path):
     with pytest.raises(ValueError, match="r-s0/eval.jsonl starts at step 2: it lacks the evaluation before RL, at "
                                          "step 0 \\(train.py writes it first\\)$"):
         report.read_run(folder)
+
+
+def test_the_spread_is_the_sample_std_said_so_and_none_for_one_seed(runs, tmp_path, capsys):
+    # grpo's final dense 0.6 and 0.8: sqrt(((0.1)^2 + (0.1)^2) / (2 - 1)) = 0.141 (n would give 0.100); the line
+    # above the table says which. One seed has no spread: naive's 0.650 was printed "0.650 ± 0.000", a spread of 0
+    report.main(["runs", *runs, "--out", str(tmp_path / "cmp")])
+    text = capsys.readouterr().out
+    comparison = tables(text)[0]
+    assert comparison["grpo"][4] == "0.700 ± 0.141" and comparison["naive"][4] == "0.650"
+    assert "mean ± sample std over seeds (divided by n - 1; a single seed's value alone)" in text
