@@ -272,6 +272,12 @@ def report_text(groups, budgets=(), robust=None):
             text += ["", f"Note: the seeds of {variant} end at different steps ({', '.join(map(str, ends))}; a run cut "
                      "short ends early), so its 'after' columns, vetoed and train time average runs of different "
                      "lengths."]
+        # a metrics.jsonl with steps lost (not a killed run's: it logs every step up to its last evaluation)
+        logged = [len([m for m in ms if 0 < m["step"] <= e[-1]["step"]]) for ms, e in runs]
+        if lacking := [e[-1]["step"] - n for (_, e), n in zip(runs, logged) if n < e[-1]["step"]]:
+            text += ["", f"Note: {len(lacking)} of the {len(runs)} seeds of {variant} lack the metrics of "
+                     f"{sum(lacking)} steps in all before their last evaluation, so its vetoed, train time and time "
+                     "to the baseline's best count only the steps logged."]
     tails = tail_by_variant(groups)
     bins = sorted({b for t in tails.values() for b in t})
     text += ["", "Acceptance tail by context length: the 5th percentile of alpha = 1 - TV(p_dense, p_sparse) "

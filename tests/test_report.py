@@ -363,10 +363,11 @@ def test_read_run_forgives_a_half_written_last_line_only(tmp_path, text, message
 
 def test_seeds_that_end_at_different_steps_are_shown_and_said(tmp_path):
     # one seed cut short by a time limit at step 2, the others reached step 5: "2-5" (a mean, 4, would hide it)
-    steps = [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in (1, 2)]
-    groups = {"v": [report.read_run(write_run(tmp_path / f"v-s{i}", steps, [(0, .5, .5), (last, .6, .6)]))
+    steps = lambda last: [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in range(1, last + 1)]
+    groups = {"v": [report.read_run(write_run(tmp_path / f"v-s{i}", steps(last), [(0, .5, .5), (last, .6, .6)]))
                     for i, last in enumerate((2, 5, 5))],
-              "w": [report.read_run(write_run(tmp_path / f"w-s{i}", steps, [(0, .5, .5), (5, .6, .6)])) for i in (0, 1)]}
+              "w": [report.read_run(write_run(tmp_path / f"w-s{i}", steps(5), [(0, .5, .5), (5, .6, .6)]))
+                    for i in (0, 1)]}
     assert [row[:3] for row in report.comparison_rows(groups)] == [["v", 3, "2-5"], ["w", 2, "5"]]
     notes = [l for l in report.report_text(groups).splitlines() if l.startswith("Note:")]
     assert notes == ["Note: the seeds of v end at different steps (2, 5; a run cut short ends early), so its 'after' "
@@ -557,3 +558,14 @@ def test_the_spread_is_the_sample_std_said_so_and_none_for_one_seed(runs, tmp_pa
     comparison = tables(text)[0]
     assert comparison["grpo"][4] == "0.700 ± 0.141" and comparison["naive"][4] == "0.650"
     assert "mean ± sample std over seeds (divided by n - 1; a single seed's value alone)" in text
+
+
+def test_metrics_missing_steps_before_the_last_evaluation_are_said(tmp_path):
+    # seed 1's metrics.jsonl lost step 2 (its eval.jsonl goes on to 3): its train time is 2 s, not 3, and the
+    # report said nothing; the note names the variant and counts the steps lacking
+    steps = lambda *ss: [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in ss]
+    groups = {"v": [report.read_run(write_run(tmp_path / f"v-s{i}", m, [(0, .5, .5), (3, .6, .6)]))
+                    for i, m in enumerate((steps(1, 2, 3), steps(1, 3)))]}
+    notes = [l for l in report.report_text(groups).splitlines() if l.startswith("Note:")]
+    assert notes == ["Note: 1 of the 2 seeds of v lack the metrics of 1 steps in all before their last evaluation, "
+                     "so its vetoed, train time and time to the baseline's best count only the steps logged."]
