@@ -38,8 +38,8 @@ class Controller:
                 raise ValueError(f"{name} must be an integer{' >= 1' * (name in ('bins', 'interval'))}, got {value!r}")
         if not 1 <= low <= start <= high:
             raise ValueError(f"need 1 <= low <= start <= high, got {low}, {start}, {high}")
-        if not (up > 1 and step >= 0 and band >= 0):
-            raise ValueError(f"need up > 1, step >= 0 and band >= 0, got {up}, {step}, {band}")
+        if not (1 < up < float("inf") and step >= 0 and band >= 0):     # a raise rounds budget * up to an int
+            raise ValueError(f"need 1 < up < inf, step >= 0 and band >= 0, got {up}, {step}, {band}")
         check_bins(bin_size, q, threshold)
         self.threshold, self.q, self.min_tokens = threshold, q, min_tokens          # what holds, on how many tokens
         self.low, self.high, self.step, self.up, self.band = low, high, step, up, band   # how a budget moves

@@ -177,8 +177,10 @@ def test_controller_blames_by_its_own_interval(interval, budgets):
     # "budgets must be positive integers"), interval 0 blamed bins where the cache compresses nothing
     (lambda: Controller(threshold=1.5), "threshold must lie in \\[0, 1\\], got 1.5"),
     (lambda: Controller(bin_size=16.0), "bin_size must be a positive integer, got 16.0"),
-    (lambda: Controller(up=1.0), "need up > 1, step >= 0 and band >= 0, got 1.0, 8, 0.03"),
-    (lambda: Controller(step=-8), "need up > 1, step >= 0 and band >= 0, got 1.5, -8, 0.03"),
+    (lambda: Controller(up=1.0), "need 1 < up < inf, step >= 0 and band >= 0, got 1.0, 8, 0.03"),
+    (lambda: Controller(step=-8), "need 1 < up < inf, step >= 0 and band >= 0, got 1.5, -8, 0.03"),
+    # up inf passed, and the first update that raised a bin stopped on int(inf): an OverflowError naming nothing
+    (lambda: Controller(up=float("inf")), "need 1 < up < inf, step >= 0 and band >= 0, got inf, 8, 0.03"),
     (lambda: Controller(step=2.5), "^step must be an integer, got 2.5$"),
     (lambda: Controller(low=2.5, start=6), "^low must be an integer, got 2.5$"),
     (lambda: Controller(start=64.0), "^start must be an integer, got 64.0$"),
