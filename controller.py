@@ -12,7 +12,7 @@ from itertools import accumulate
 
 from schedule import THRESHOLD, blamed_bin, by_bin, check_bins, piecewise
 
-HIGH = 4096       # the controller's largest budget, unless it starts above it
+HIGH = 4096       # the controller's largest budget by default (train.py's: the larger of it and --budget)
 
 
 class Controller:
