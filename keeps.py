@@ -2,13 +2,13 @@
 
     python keeps.py --model results/runs/warmup-pick-s0 --out results/keeps.png > results/keeps.md   # as reproduce.sh does
 
-One held-out prompt of the warm-up's task (train.py's held-out set, longer than the budget + interval, so that
-its prefill is compressed) is answered greedily through each policy's cache. `kept_fractions` reads the cache's
-history: at each forward pass (0: the prefill), the share of (layer, KV head) pairs that hold each position.
-`draw_keeps` draws one panel per policy (a PNG, --out; needs matplotlib), each dot coloured by the token's role:
-a digit the answer needs, a distractor letter, another prompt token, the answer. The table on stdout gives each
-policy's answer and the shares of the needed tokens and distractors held at the last step ("-" for sort and
-reverse, whose prompts hold no distractor).
+One held-out prompt of the warm-up's task (train.py's held-out set, longer than the budget + interval, so that the
+first decode step compresses it; the prefill is kept whole) is answered greedily through each policy's cache.
+`kept_fractions` reads the cache's history: at each forward pass (0: the prefill), the share of (layer, KV head)
+pairs that hold each position. `draw_keeps` draws one panel per policy (a PNG, --out; needs matplotlib), each dot
+coloured by the token's role: a digit the answer needs, a distractor letter, another prompt token, the answer. The
+table on stdout gives each policy's answer and the shares of the needed tokens and distractors held at the last
+step ("-" for sort and reverse, whose prompts hold no distractor).
 """
 import argparse
 import sys
@@ -69,7 +69,8 @@ def keeps(args):
     long = [e for e in examples if len(e["prompt"]) + 1 > budget + run["interval"]]
     if not long:                                                      # before the model loads
         raise ValueError(f"--budget {budget}: no held-out prompt is longer than the budget + interval "
-                         f"({run['interval']}), so none is compressed at its prefill: give a smaller --budget")
+                         f"({run['interval']}), so none is compressed at the first decode step: give a smaller "
+                         "--budget")
     if args.example >= len(long):
         raise ValueError(f"--example {args.example}: only {len(long)} held-out prompts are longer than the budget "
                          f"({budget}) + interval ({run['interval']})")

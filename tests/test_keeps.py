@@ -17,8 +17,9 @@ from test_train import SMALL
     (["--example", "-1"], "--example must be >= 0, got -1$"),
     (["--out", ""], "--out is empty: give a value, or leave the flag out"),              # was: ./.png
     (["--out", "."], "--out '.' is a folder; give a file name \\(a .png\\)"),      # was: ./..png
+    # was "so none is compressed at its prefill": the prefill is kept whole (docs/method.md section 2)
     (["--budget", "1000"], "--budget 1000: no held-out prompt is longer than the budget \\+ interval "
-                           "\\(4\\), so none is compressed at its prefill: give a smaller --budget$"),
+                           "\\(4\\), so none is compressed at the first decode step: give a smaller --budget$"),
 ])
 def test_bad_flags_are_refused_before_loading(tmp_path, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)                     # --out's default folder, out/, is made before some refusals
