@@ -271,7 +271,8 @@ def report_text(groups, budgets=(), robust=None):
         if len(ends := last_steps(runs)) > 1:
             text += ["", f"Note: the seeds of {variant} end at different steps ({', '.join(map(str, ends))}; a run cut "
                      "short ends early), so its 'after' columns, vetoed and train time average runs of different "
-                     "lengths."]
+                     "lengths, and its accuracy curve and time to the baseline's best stop at step "
+                     f"{ends[0]}, where the shortest ends."]                     # mean_curve: steps every seed has
         # a metrics.jsonl with steps lost (not a killed run's: it logs every step up to its last evaluation)
         logged = [len([m for m in ms if 0 < m["step"] <= e[-1]["step"]]) for ms, e in runs]
         if lacking := [e[-1]["step"] - n for (_, e), n in zip(runs, logged) if n < e[-1]["step"]]:

@@ -371,7 +371,8 @@ def test_seeds_that_end_at_different_steps_are_shown_and_said(tmp_path):
     assert [row[:3] for row in report.comparison_rows(groups)] == [["v", 3, "2-5"], ["w", 2, "5"]]
     notes = [l for l in report.report_text(groups).splitlines() if l.startswith("Note:")]
     assert notes == ["Note: the seeds of v end at different steps (2, 5; a run cut short ends early), so its 'after' "
-                     "columns, vetoed and train time average runs of different lengths."]
+                     "columns, vetoed and train time average runs of different lengths, and its accuracy curve and "
+                     "time to the baseline's best stop at step 2, where the shortest ends."]
 
 
 def test_the_mean_curve_averages_the_steps_every_seed_logged():
@@ -569,3 +570,17 @@ def test_metrics_missing_steps_before_the_last_evaluation_are_said(tmp_path):
     notes = [l for l in report.report_text(groups).splitlines() if l.startswith("Note:")]
     assert notes == ["Note: 1 of the 2 seeds of v lack the metrics of 1 steps in all before their last evaluation, "
                      "so its vetoed, train time and time to the baseline's best count only the steps logged."]
+
+
+def test_a_seed_cut_short_ends_the_variants_curve_and_race_where_it_ends_and_it_is_said(tmp_path):
+    # base's seed 1 was cut short after its evaluation at 2; seed 0 went on to 0.9 at 4. The accuracy curve and
+    # the PODS table read the mean over seeds at the steps both evaluated (0 and 2): best (0.6 + 0.7) / 2 = 0.65,
+    # not 0.9, and nothing in the report said the race stopped at step 2
+    steps = lambda last: [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in range(1, last + 1)]
+    evals = [(0, .5, .5), (2, .6, .6), (4, .9, .9)], [(0, .5, .5), (2, .7, .7)]
+    groups = {"base": [report.read_run(write_run(tmp_path / f"base-s{i}", steps(e[-1][0]), e))
+                       for i, e in enumerate(evals)]}
+    assert report.reach_rows(groups)[0] == pytest.approx(0.65)
+    assert ("so its 'after' columns, vetoed and train time average runs of different lengths, and its accuracy "
+            "curve and time to the baseline's best stop at step 2, where the shortest ends."
+            ) in report.report_text(groups)
