@@ -140,6 +140,9 @@ def read_run(folder):
                 raise ValueError(f"{path} line {number} has no \"step\" (a whole number): not a train.py log")
             if lacking := [key for key in keys if key not in line]:
                 raise ValueError(f"{path} line {number} has no {lacking[0]!r}: not a train.py log")
+            if odd := [key for key in keys if type(line[key]) not in (int, float)]:   # bool, None, str: a traceback
+                raise ValueError(f"{path} line {number}: {odd[0]!r} is {line[odd[0]]!r}, not a number: not a "
+                                 "train.py log")
             lines.append(line)
         if not lines:                                  # blank, or one line a killed run left half written
             raise ValueError(f"{path} holds no whole line: its only line, {numbered[0][0]}, is half written "

@@ -584,3 +584,16 @@ def test_a_seed_cut_short_ends_the_variants_curve_and_race_where_it_ends_and_it_
     assert ("so its 'after' columns, vetoed and train time average runs of different lengths, and its accuracy "
             "curve and time to the baseline's best stop at step 2, where the shortest ends."
             ) in report.report_text(groups)
+
+
+def test_a_log_value_that_is_not_a_number_is_named(tmp_path):
+    # an evaluation written as null (hand-edited, or another tool's log) passed read_run, and report.py runs ended
+    # in a traceback from the table's format: "TypeError: unsupported format string passed to NoneType.__format__"
+    folder = write_run(tmp_path / "r-s0", [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in (1, 2)],
+                       [(0, .5, .5), (2, None, .6)])
+    with pytest.raises(ValueError, match="r-s0/eval.jsonl line 2: 'dense' is None, not a number: not a train.py log$"):
+        report.read_run(folder)
+    (tmp_path / "r-s0" / "eval.jsonl").write_text('{"step": 0, "dense": 0.5, "sparse": 0.5}\n'
+                                                  '{"step": 2, "dense": 0.6, "sparse": true}\n')
+    with pytest.raises(ValueError, match="eval.jsonl line 2: 'sparse' is True, not a number"):
+        report.read_run(folder)
