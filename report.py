@@ -79,8 +79,9 @@ def parse_args(argv=None):
 def inference(args):
     """Check everything, load the model, run dense and each (policy, budget); -> the markdown table."""
     cli.check_least(args, 1, ["limit", "max_new_tokens", "interval", "batch_size", "budgets"])
+    pairs = dict.fromkeys((budget, policy) for budget in args.budgets for policy in args.policies)  # each once
     configs = [SparseConfig("full")] + [SparseConfig(policy, budget, args.interval, args.window, args.sink)
-                                        for budget in args.budgets for policy in args.policies]  # raise early
+                                        for budget, policy in pairs]                            # raise early
     examples = load_jsonl(args.data)[: args.limit]
     if args.adapter and not Path(args.adapter).is_file():
         raise ValueError(f"--adapter {args.adapter!r}: no such file")

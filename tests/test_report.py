@@ -597,3 +597,20 @@ def test_a_log_value_that_is_not_a_number_is_named(tmp_path):
                                                   '{"step": 2, "dense": 0.6, "sparse": true}\n')
     with pytest.raises(ValueError, match="eval.jsonl line 2: 'sparse' is True, not a number"):
         report.read_run(folder)
+
+
+def test_inference_runs_a_policy_or_budget_named_twice_once(tmp_path, monkeypatch, capsys):
+    # --policies snapkv snapkv --budgets 8 8 ran snapkv at 8 four times and printed four equal rows (evaluate.py's
+    # --eval-budgets 8 8 was fixed the same way): one run and one row per (policy, budget), in the order named
+    (tmp_path / "q.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: ("model", "tokenizer"))
+    calls = []
+
+    def run_inference(model, tokenizer, examples, reward, sparse, *rest):
+        calls.append((sparse.policy, sparse.budget if sparse.policy != "full" else None))
+        return dict(accuracy=1.0, peak_kv_bytes=2**20, alpha_mean=1.0, alpha_p05=1.0, tokens=1, seconds=1.0)
+    monkeypatch.setattr(report, "run_inference", run_inference)
+    report.main(["inference", "--data", str(tmp_path / "q.jsonl"), "--policies", "snapkv", "h2o", "snapkv",
+                 "--budgets", "8", "8", "--interval", "4", "--window", "2", "--sink", "2"])
+    assert calls == [("full", None), ("snapkv", 8), ("h2o", 8)]
+    assert len([r for r in capsys.readouterr().out.splitlines() if r.startswith("| snapkv |")]) == 1
