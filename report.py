@@ -393,6 +393,7 @@ def runs(args):
         raise ValueError(f"the run folders {' and '.join(map(repr, twice))} share a name: each is one seed of a "
                          "variant, named <variant>-s<seed>")
     cli.check_least(args, 1, ["robust_budgets"])
+    args.robust_budgets = list(dict.fromkeys(args.robust_budgets))   # 12 12: one evaluation, one column
     device = pick_device(args.device)
     logs = [read_run(folder) for folder in args.folders]
     plans = [robust_plan(folder, evals[-1]["step"], args.robust_budgets)

@@ -614,3 +614,14 @@ def test_inference_runs_a_policy_or_budget_named_twice_once(tmp_path, monkeypatc
                  "--budgets", "8", "8", "--interval", "4", "--window", "2", "--sink", "2"])
     assert calls == [("full", None), ("snapkv", 8), ("h2o", 8)]
     assert len([r for r in capsys.readouterr().out.splitlines() if r.startswith("| snapkv |")]) == 1
+
+
+def test_a_robust_budget_named_twice_is_evaluated_once(runs, tmp_path, monkeypatch, capsys):
+    # --robust-budgets 12 12 evaluated every final model twice at 12 and printed two equal "sparse @ 12" columns
+    planned = []
+    monkeypatch.setattr(report, "robust_plan",
+                        lambda folder, step, budgets: (planned.append(budgets), None, budgets)[1:])
+    monkeypatch.setattr(report, "robust_accuracy", lambda ckpt, budgets, device: [0.5] * len(budgets))
+    report.main(["runs", *runs, "--robust-budgets", "12", "10", "12", "--out", str(tmp_path / "r")])
+    assert planned == [[12, 10]] * len(runs)
+    assert tables(capsys.readouterr().out)[0]["variant"][8:11] == ["sparse @ 12", "sparse @ 10", "peak KV vs dense"]
