@@ -64,7 +64,8 @@ def keeps(args):
     cli.check_least(args, 1, ["budget"])
     cli.check_least(args, 0, ["example"])
     budget = args.budget or run["budget"]
-    configs = [SparseConfig(p, budget, run["interval"], run["window"], run["sink"]) for p in args.policies]
+    configs = [SparseConfig(p, budget, run["interval"], run["window"], run["sink"])
+               for p in dict.fromkeys(args.policies)]                        # a policy named twice: one panel
     examples = held_out_examples(settings["task"], 256, settings["seed"], *settings["digits"])   # train.py's held-out
     long = [e for e in examples if len(e["prompt"]) + 1 > budget + run["interval"]]
     if not long:                                                      # before the model loads

@@ -145,3 +145,19 @@ def test_a_task_without_distractors_shows_none_held_as_a_dash(tmp_path, monkeypa
     monkeypatch.setattr(keeps, "draw_keeps", lambda *a: None)
     keeps.main(["--model", str(tmp_path), "--policies", "snapkv", "--budget", "6", "--out", str(tmp_path / "k.png")])
     assert "| snapkv | '7' | 75% | - |" in capsys.readouterr().out
+
+
+def test_a_policy_named_twice_is_one_panel(tmp_path, monkeypatch, capsys):
+    # --policies snapkv h2o snapkv decoded snapkv twice and drew and printed it twice: one panel and row a policy
+    (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4], seed=0)))
+    ran, drawn = [], []
+    tokenizer = type("T", (), dict(decode=lambda self, tokens, skip_special_tokens: "7"))()
+    monkeypatch.setattr(keeps, "load_pretrained", lambda *a, **k: (None, tokenizer))
+    monkeypatch.setattr(keeps, "held_out_examples", lambda *a: [dict(prompt="Pabc123de=", answer="123")])
+    monkeypatch.setattr(keeps, "kept_fractions", lambda m, t, p, sparse, n: (ran.append(sparse.policy),
+                                                                             (torch.ones(2, 13), [5]))[1])
+    monkeypatch.setattr(keeps, "draw_keeps", lambda panels, *a: drawn.extend(p[0] for p in panels))
+    keeps.main(["--model", str(tmp_path), "--policies", "snapkv", "h2o", "snapkv", "--budget", "6",
+                "--out", str(tmp_path / "k.png")])
+    assert ran == drawn == ["snapkv", "h2o"]
+    assert capsys.readouterr().out.count("| snapkv |") == 1
