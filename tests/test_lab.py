@@ -34,6 +34,17 @@ def repo(tmp_path_factory):
     return root
 
 
+def correction_alone(tmp_path):
+    """(a committed repository holding correction.py alone, its text): for the tests that write into it."""
+    root = tmp_path / "r"
+    root.mkdir()
+    original = (lab.ROOT / "correction.py").read_text()
+    (root / "correction.py").write_text(original)
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "copy"]):
+        subprocess.run(GIT + command, cwd=root, check=True)
+    return root, original
+
+
 def load(path, name):
     """Import one file of the copy as a fresh module (correction.py imports only torch)."""
     spec = importlib.util.spec_from_file_location(name, path)
@@ -324,12 +335,7 @@ def test_list_says_which_exercises_are_started(repo):
 
 def test_reset_keeps_the_students_own_version_before_putting_the_original_back(tmp_path):
     # reset overwrote a written (uncommitted) body with the original, and the student's work was gone
-    root = tmp_path / "r"
-    root.mkdir()
-    original = (lab.ROOT / "correction.py").read_text()
-    (root / "correction.py").write_text(original)
-    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "copy"]):
-        subprocess.run(GIT + command, cwd=root, check=True)
+    root, original = correction_alone(tmp_path)
     lab.start(2, root)
     stub = (root / "correction.py").read_text()
     written = stub.replace('    raise NotImplementedError("exercise 2', '    return "mine"  # my work\n'
@@ -363,12 +369,7 @@ def test_each_python_snippet_of_lab_md_pastes_into_the_python_prompt():
 def test_a_kill_while_start_writes_leaves_the_file_whole(tmp_path, monkeypatch):
     # start wrote the stub over the exercise's file in place (reset went through a temporary file and a rename): a
     # kill halfway through the write left correction.py cut in two, so that no exercise's tests even imported it
-    root = tmp_path / "r"
-    root.mkdir()
-    original = (lab.ROOT / "correction.py").read_text()
-    (root / "correction.py").write_text(original)
-    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "copy"]):
-        subprocess.run(GIT + command, cwd=root, check=True)
+    root, original = correction_alone(tmp_path)
     write_text = lab.Path.write_text
 
     def killed(path, text):                                            # half the text reaches the disk, then the kill
