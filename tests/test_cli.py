@@ -14,7 +14,8 @@ import train
 
 
 def test_defaults_are_the_official_sparse_rl_settings():
-    """METHOD.md section 5: veto 1e-4, band [0.5, 1.5], cap 1.5, clip 0.2, no KL unless asked; all n rollouts kept."""
+    """docs/method.md section 5: veto 1e-4, band [0.5, 1.5], cap 1.5, clip 0.2, no KL unless asked; all n rollouts
+    kept."""
     args = cli.parse_args([])
     assert (args.veto, args.band, args.cap, args.clip, args.kl, args.correction) == (1e-4, [0.5, 1.5], 1.5, 0.2, 0.0,
                                                                                      "sparse-rl")
@@ -24,7 +25,7 @@ def test_defaults_are_the_official_sparse_rl_settings():
 
 
 def test_the_paper_preset_is_sparse_rl_and_sparrow_as_method_md_gives_them():
-    # METHOD.md sections 2, 3, 5: budget 512, compress every 128, window 8, sink 4, lr 1e-6; Sparrow's pages of 16
+    # docs/method.md sections 2, 3, 5: budget 512, compress every 128, window 8, sink 4, lr 1e-6; Sparrow's pages of 16
     # and 2 dense layers; 512 new tokens (not the paper's 4096: cli.py says why), bins of 128
     assert cli.PAPER == dict(budget=512, interval=128, window=8, sink=4, max_new_tokens=512, lr=1e-6, bin_size=128,
                              page_size=16, dense_layers=2)

@@ -274,8 +274,8 @@ def test_policy_loss_by_hand():
 
 
 def loop_loss(logp, logp_old, logp_ref, A, kept, sampled, w, clip, clip_high, kl_coef, agg):
-    """METHOD.md section 5 token by token, in plain Python floats: L_t = w_t * max(-r A, -clip(r) A) + kl_coef * k3_t
-    on each kept token; seq-mean divides response i by the n_i tokens it sampled and the sum by every response,
+    """docs/method.md section 5 token by token, in plain Python floats:
+    L_t = w_t * max(-r A, -clip(r) A) + kl_coef * k3_t on each kept token; seq-mean divides response i by the n_i tokens it sampled and the sum by every response,
     token-mean by all sampled tokens. Tensors [N, T] (A [N]) in, a float out."""
     logp, logp_old, logp_ref, A, kept, w = (x.tolist() for x in (logp, logp_old, logp_ref, A, kept, w))
     sums, n = [], sampled.sum(-1).tolist()
@@ -679,7 +679,7 @@ def test_importance_weights_keep_the_dtype_of_log_rho():
 
 
 def test_rejection_mask_default_veto_is_1e_4():
-    # rho = 5e-4 is out of the band [0.5, 1.5] but above the default veto 1e-4 (METHOD.md section 5): the
+    # rho = 5e-4 is out of the band [0.5, 1.5] but above the default veto 1e-4 (docs/method.md section 5): the
     # token leaves the mask, the response stays
     new_mask, stats = rejection_mask(torch.tensor([[1.0, 5e-4, 1.0]]).log(), torch.ones(1, 3))
     assert new_mask.tolist() == [[1.0, 0.0, 1.0]] and stats["vetoed"] == 0
