@@ -275,8 +275,9 @@ def test_policy_loss_by_hand():
 
 def loop_loss(logp, logp_old, logp_ref, A, kept, sampled, w, clip, clip_high, kl_coef, agg):
     """docs/method.md section 5 token by token, in plain Python floats:
-    L_t = w_t * max(-r A, -clip(r) A) + kl_coef * k3_t on each kept token; seq-mean divides response i by the n_i tokens it sampled and the sum by every response,
-    token-mean by all sampled tokens. Tensors [N, T] (A [N]) in, a float out."""
+    L_t = w_t * max(-r A, -clip(r) A) + kl_coef * k3_t on each kept token; seq-mean divides response i by the n_i
+    tokens it sampled and the sum by every response, token-mean by all sampled tokens. Tensors [N, T] (A [N]) in,
+    a float out."""
     logp, logp_old, logp_ref, A, kept, w = (x.tolist() for x in (logp, logp_old, logp_ref, A, kept, w))
     sums, n = [], sampled.sum(-1).tolist()
     for i in range(len(n)):
