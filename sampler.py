@@ -139,8 +139,11 @@ def integer(value):
 
 
 def check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk, eos_token_id=None, pad_token_id=0,
-               seed=0, sparse=None):
+               seed=0, sparse=None, record=False, captured=False):
     """Reject bad input with a message naming the value, before any forward pass."""
+    for name, flag in (("record", record), ("captured", captured)):   # the text "False" is true: a captured run
+        if flag not in (True, False):
+            raise ValueError(f"{name} must be True or False, got {flag!r:.40}")
     if sparse is not None and not isinstance(sparse, SparseConfig):   # was an AttributeError from the cache
         raise ValueError(f"sparse must be a SparseConfig (None: the full cache), got {sparse!r:.80}")
     # a torch.Generator takes any 64-bit seed; a float, None or bool was a RuntimeError from manual_seed
@@ -232,7 +235,7 @@ def generate(model, prompts, sparse=None, max_new_tokens=256, temperature=1.0, t
     stats count every step it ran.
     """
     check_args(model, prompts, max_new_tokens, temperature, top_p, logprobs_topk, eos_token_id, pad_token_id,
-               seed, sparse)
+               seed, sparse, record=record, captured=captured)
     prompts = [list(map(integer, p)) for p in prompts]      # numpy or 0-d tensor ids: Python ints from here on
     pad_token_id, seed = integer(pad_token_id), integer(seed)
     max_new_tokens, logprobs_topk = integer(max_new_tokens), integer(logprobs_topk)

@@ -256,6 +256,8 @@ def test_bfloat16_runs_close_to_float32():
     ([[1, 2]], dict(seed=True), "^seed must be an integer .*, got True$"),               # from manual_seed
     ([[1, 2]], dict(seed=2 ** 64), "^seed must be an integer .*, got 18446744073709551616$"),
     ([[1, 2]], dict(sparse="snapkv"), "^sparse must be a SparseConfig \\(None: the full cache\\), got 'snapkv'$"),
+    ([[1, 2]], dict(captured="False"), "^captured must be True or False, got 'False'$"),   # was: a captured run
+    ([[1, 2]], dict(record=None), "^record must be True or False, got None$"),          # was: taken as False
 ])
 def test_bad_input_is_refused_before_any_forward_pass(prompts, kwargs, message):
     model = tiny_model("llama")
