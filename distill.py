@@ -102,6 +102,12 @@ class LoRA(nn.Module):
         finally:
             self.active = outer
 
+    def remove(self):
+        """Take the hooks off the model's layers: it runs its plain forward again, on or off."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
     def tensors(self):
         """{"A.<layer>": A, "B.<layer>": B}: what a file holds."""
         return {f"{part}.{key}": p for part, params in (("A", self.A), ("B", self.B)) for key, p in params.items()}
@@ -124,11 +130,14 @@ class LoRA(nn.Module):
     def from_file(model, path):
         """The adapter saved at `path` (its rank and alpha read from the file), attached to `model`; a ValueError
         naming the file where it is no adapter of this model."""
+        lora = None
         try:
             saved, alpha = LoRA.read(path)
             lora = LoRA(model, rank=saved_rank(saved), alpha=alpha)
             lora.put(saved, alpha, path)
         except Exception as error:   # safetensors' own error type, another model's layers or shapes
+            if lora is not None:     # the model is left as it was: no hook of the refused adapter stays on it
+                lora.remove()
             raise ValueError(f"{path} is not a DistillSparse adapter of this model (adapter.safetensors of a "
                              f"train.py --distill checkpoint): {type(error).__name__}: {error}") from None
         return lora

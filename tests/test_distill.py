@@ -118,6 +118,10 @@ def test_an_adapter_file_brings_back_its_rank_and_weights(tmp_path):
                                                                                               num_hidden_layers=4))):
         with pytest.raises(ValueError, match=f"{path.name} is not a DistillSparse adapter of this model"):
             distill.LoRA.from_file(other, path)
+    # the 4-layer model's refused adapter had hooked its 28 linear layers, and its hooks and A, B stayed there,
+    # called at every forward pass; a refused file leaves the model as it was
+    hooks = lambda m: sum(len(layer._forward_hooks) for layer in m.modules())
+    assert hooks(other) == 0 and hooks(fresh) == 7 * 2                   # fresh: `again`'s, on its 2 layers
 
 
 @pytest.mark.parametrize("policy", list(CONFIGS))
