@@ -715,3 +715,100 @@ def test_downsample_random_keeps_m_distinct_rows_of_each_group():
     assert ((idx >= first) & (idx < first + 4)).all()
     assert (idx.diff(dim=-1) > 0).all()
     assert set((idx - first).flatten().tolist()) == {0, 1, 2, 3}
+
+
+# ----------------------------------------------------------------------------- 8. mutation testing's survivors
+# Each test below fails on a small change to correction.py that every test above let through (an off-by-default,
+# a stat over the wrong tokens, a missing detach or clamp); the docstring of each names the change it catches.
+
+def test_rejection_and_mismatch_default_band_is_0_5_to_1_5():
+    # the tests above pin the default band only between rho 0.4 and 0.51 and between 1.49 and 1.6: a default of
+    # low=0.45 or high=1.55 passed them. Here rho just inside (0.5, 1.5, exact in fp32) and just outside (0.49, 1.51)
+    rho = torch.tensor([[0.5, 1.5, 0.49, 1.51, 0.45, 1.55, 1.0, 1.0]])
+    new_mask, stats = rejection_mask(rho.log(), torch.ones(1, 8))
+    assert new_mask.tolist() == [[1, 1, 0, 0, 0, 0, 1, 1]] and stats["dropped_tokens"] == 4
+    # mismatch_stats's out_of_band uses the same band (a default low 0.6 or high 1.9 passed before): 0.52 and 1.48
+    # inside, 0.48 and 1.52 outside (away from the edges, which log-then-exp may round across)
+    rho = torch.tensor([[0.52, 1.48, 0.48, 1.52]])
+    assert mismatch_stats(rho.log(), torch.zeros(1, 4), torch.ones(1, 4))["out_of_band"] == pytest.approx(0.5)
+
+
+def test_stats_are_plain_python_numbers():
+    # train.py json.dumps every stats dict: a 0-d tensor compares == to its number (so the by-hand tests pass on
+    # `stats["tokens"] = real.sum()` or `rho_mean=rho.mean()`) and then fails json.dumps
+    rho = torch.tensor([[1.0, 2.0, 0.8], [0.25, 1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    topk = torch.log(torch.full((2, 3, 2), 0.4))
+    stats = mismatch_stats(rho.log(), torch.zeros(2, 3), mask, topk, topk)
+    assert type(stats.pop("tokens")) is int and all(type(v) is float for v in stats.values()), stats
+    logp, logp_old, adv, mask, weights = hand_loss_inputs()
+    _, stats = policy_loss(logp, logp_old, adv, mask, weights, kl_coef=0.1, logp_ref=logp.detach())
+    assert all(type(stats[key]) is int for key in ("tokens", "responses", "signal_tokens")), stats
+    assert all(type(stats[key]) is float for key in ("clip_frac", "ratio_mean", "weight_mean", "kl")), stats
+    _, stats = group_advantages(torch.tensor([0.0, 1.0, 1.0, 1.0]), 2)
+    assert all(type(v) is int for v in stats.values()), stats
+
+
+def test_policy_loss_stats_are_over_the_kept_tokens():
+    # clip_frac and kl average over the tokens kept after rejection, as ratio_mean and weight_mean do (the by-hand
+    # test keeps every token, where the kept and the sampled counts agree). Response 0's first token (r = 1.5,
+    # clipped) rejected: of the 4 kept, only response 1's r = 0.5 (A = -1) is clipped: 1/4 (over the 5 sampled: 1/5)
+    logp, logp_old, adv, mask, weights = hand_loss_inputs()
+    kept = mask.clone()
+    kept[0, 0] = 0
+    logp_ref = logp.detach() + LN2                             # k3 = 1 - ln 2 on every token
+    _, stats = policy_loss(logp, logp_old, adv, kept, weights, kl_coef=0.5, logp_ref=logp_ref, response_mask=mask)
+    assert stats["clip_frac"] == pytest.approx(1 / 4) and stats["kl"] == pytest.approx(1 - LN2, rel=1e-5)
+
+
+def test_policy_loss_sends_no_gradient_to_logp_old_or_logp_ref():
+    # pi_old and pi_ref are fixed targets: a caller whose logp_old or logp_ref still carries a graph (scored with grad,
+    # or pi_ref = pi_theta as in a first step) must not train through them. Dropping either .detach() passed before,
+    # since every test above gave tensors without grad
+    logp, logp_old, adv, mask, weights = hand_loss_inputs()
+    logp_old = logp_old.clone().requires_grad_()
+    logp_ref = (logp.detach() + 0.3).requires_grad_()
+    loss, _ = policy_loss(logp, logp_old, adv, mask, weights, kl_coef=0.5, logp_ref=logp_ref)
+    to_logp, to_old, to_ref = torch.autograd.grad(loss, [logp, logp_old, logp_ref], allow_unused=True)
+    assert to_old is None and to_ref is None and to_logp.ne(0).any()
+
+
+def test_policy_loss_kl_clamps_log_ref_at_20():
+    # the k3 term's log(pi_ref / pi_theta) is clamped as log r is (docs/method.md section 1): a reference 1000 nats
+    # away gives k3 = e^20 - 1 - 20 per token, finite, not e^1000 = inf (then an inf loss and a NaN step)
+    logp = torch.full((1, 2), -1.0, requires_grad=True)
+    logp_ref = torch.tensor([[999.0, -1001.0]])                # log ratio +1000 and -1000
+    loss, stats = policy_loss(logp, logp.detach(), torch.zeros(1), torch.ones(1, 2), kl_coef=1.0, logp_ref=logp_ref)
+    e20 = math.exp(20)
+    expected = ((e20 - 1 - 20) + (1 / e20 - 1 + 20)) / 2       # seq-mean of the two k3 values
+    assert loss.item() == pytest.approx(expected, rel=1e-5) and stats["kl"] == pytest.approx(expected, rel=1e-5)
+    assert torch.isfinite(grad_of(loss, logp)).all()
+
+
+def test_policy_loss_of_an_empty_batch_is_zero():
+    # N = 0 responses (every group filtered out before the step): loss 0 with a zero gradient, not 0 / 0 = NaN
+    logp = torch.zeros(0, 3, requires_grad=True)
+    for agg in ("seq-mean", "token-mean"):
+        stats = assert_zero_loss_and_gradient(logp, logp.detach(), torch.zeros(0), torch.zeros(0, 3), agg=agg)
+        assert stats["tokens"] == 0 and stats["responses"] == 0
+
+
+def test_dense_logprobs_passes_chunk_on(tiny_llama):
+    # dense_logprobs(chunk=c) runs the output layer c positions at a time (its docstring; the memory bound): dropping
+    # chunk on the way to response_logprobs gives the same numbers, so only the calls to the output layer tell
+    rollouts, _ = hand_rollouts()                                                   # N = 3, T = 6
+    calls = []
+    hook = tiny_llama.lm_head.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[1]))
+    try:
+        dense_logprobs(tiny_llama, rollouts, batch_size=3, chunk=4)
+        assert calls == [4, 2]
+    finally:
+        hook.remove()
+
+
+def test_dense_logprobs_accepts_the_lowest_temperature(tiny_llama):
+    # the sampler accepts temperature = MIN_TEMPERATURE (1e-6) exactly, so re-scoring must too, with finite log-probs
+    # (a strict `MIN_TEMPERATURE < temperature` refused every rollout sampled there)
+    rollouts, _ = hand_rollouts()
+    logp = dense_logprobs(tiny_llama, rollouts, temperature=correction.MIN_TEMPERATURE)
+    assert torch.isfinite(logp).all()
