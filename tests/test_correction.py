@@ -812,3 +812,28 @@ def test_dense_logprobs_accepts_the_lowest_temperature(tiny_llama):
     rollouts, _ = hand_rollouts()
     logp = dense_logprobs(tiny_llama, rollouts, temperature=correction.MIN_TEMPERATURE)
     assert torch.isfinite(logp).all()
+
+
+def test_response_logprobs_rejects_empty_or_miscounted_prompts_and_bad_chunks(tiny_llama):
+    # an empty prompt put response token 0 at position P - 1 = -1, the last position of the row (garbage log-probs,
+    # silently); a prompt count unlike N failed inside torch with a broadcasting RuntimeError; chunk=0 fell back to
+    # the default (`chunk or ...`) instead of being refused, and -1 or 2.5 failed inside torch.split
+    rollouts, _ = hand_rollouts()
+    fields = rollouts.tokens, rollouts.mask, rollouts.logprobs, rollouts.topk_logprobs, rollouts.topk_ids
+    for prompts in ([[1, 5, 7], [], [2, 4]], rollouts.prompts[:2], rollouts.prompts + [[1, 2]]):
+        with pytest.raises(ValueError, match="need 3 non-empty prompts for 3 responses"):
+            response_logprobs(tiny_llama, Rollouts(prompts, *fields))
+    for chunk in (0, -1, 2.5):
+        with pytest.raises(ValueError, match=rf"chunk must be a positive integer .* got {chunk}"):
+            dense_logprobs(tiny_llama, rollouts, chunk=chunk)
+
+
+def test_downsample_max_variance_ties_are_broken_the_same_on_every_device():
+    # 64 rewards of 0 and 1, keep 16: the best subsets are 8 zeros and 8 ones, and many are tied. One stable sort
+    # (ascending, ties by row) picks the 8 earliest 0s (the lowest) and the 8 latest 1s (the highest); an unstable
+    # sort picks other rows of equal variance, which differ between CPU and GPU and between runs of a resumed job
+    ties = np.random.default_rng(0).integers(0, 2, 64)
+    zeros, ones = [i for i in range(64) if ties[i] == 0], [i for i in range(64) if ties[i] == 1]
+    assert len(zeros) >= 8 and len(ones) >= 8
+    expected = sorted(zeros[:8] + ones[-8:])
+    assert downsample(torch.tensor(ties, dtype=torch.float64), 64, 16).tolist() == expected
