@@ -837,3 +837,23 @@ def test_downsample_max_variance_ties_are_broken_the_same_on_every_device():
     assert len(zeros) >= 8 and len(ones) >= 8
     expected = sorted(zeros[:8] + ones[-8:])
     assert downsample(torch.tensor(ties, dtype=torch.float64), 64, 16).tolist() == expected
+
+
+def test_importance_weights_normalise_to_1_however_small_every_rho():
+    # every rho = e^-20 (log rho at the clamp; veto off upstream): the weights' mean is 2.1e-9, still far above the
+    # float's tiny (1.2e-38), so normalising gives 1 on every real token. A floor like 1e-8 or the float's eps in
+    # place of tiny divided by the floor instead and gave 0.2 (or 1.7e-2): the gradient silently shrunk
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    for mode in ("truncate", "mask"):
+        w = importance_weights(torch.full((2, 3), -20.0), mask, mode=mode)
+        torch.testing.assert_close(w, mask, rtol=1e-6, atol=0)
+
+
+def test_group_advantages_tell_float64_rewards_apart_at_1e_9():
+    # 1 and 1 + 1e-9 are different float64 rewards (equal in float32): the group has a spread, so it is not a
+    # zero-std group and its advantages are +-0.5e-9 / (std + 1e-4), std = 1e-9 / sqrt 2; comparing in float32
+    # zeroed them
+    rewards = torch.tensor([1.0, 1.0 + 1e-9], dtype=torch.float64)
+    advantages, stats = group_advantages(rewards, 2)
+    a = 0.5e-9 / ((rewards[1] - rewards[0]).item() / math.sqrt(2) + 1e-4)
+    assert stats["zero_std_groups"] == 0 and advantages.tolist() == pytest.approx([-a, a], rel=1e-6)
