@@ -676,3 +676,67 @@ def test_calibration_refuses_dense_layers_past_the_warm_ups_layers(tmp_path, cap
                                                         "so block top-k would attend to every token in each; give at "
                                                         "most 1")
     assert not (tmp_path / "s.json").exists()
+
+
+# 7. mutation tests: each fails on one small change to schedule.py that the tests above let through
+
+def test_a_schedule_at_an_int_context_is_an_int_and_bin_metrics_write_as_json():
+    # Pins Schedule.__call__'s int for an int (at a bin start and past it; dense is DENSE) and so bin_metrics'
+    # plain ints: train.py writes them with json.dumps into metrics.jsonl, and a 0-d tensor there (a __call__
+    # returning values[index] as is) stopped the step with "Object of type Tensor is not JSON serializable",
+    # though [tensor(10)] == [10] holds in a list comparison
+    schedule = piecewise([0, 8], [6, None])
+    for context, expected in [(0, 6), (7, 6), (8, DENSE), (1000, DENSE)]:
+        assert type(schedule(context)) is int and schedule(context) == expected
+    m = bin_metrics(torch.ones(1, 3), torch.tensor([[3, 9, 20]]), 8, piecewise([0, 4, 16], [6, 10, None]))
+    assert json.loads(json.dumps(m))["budget_by_bin"] == [10, 10, None]
+
+
+def test_bin_metrics_rounds_tails_to_4_places():
+    # Pins the 4 places of alpha_p05_by_bin (a round to 2 passed test_bin_metrics_by_hand, whose tail is 0.1):
+    # one token per bin, so the tail is that token's alpha, 0.123456 -> 0.1235 and 0.98765 -> 0.9877 (0.12, 0.99)
+    m = bin_metrics(torch.tensor([[0.123456, 0.98765]], dtype=torch.float64), torch.tensor([[1, 9]]), 8, None)
+    assert m["alpha_p05_by_bin"] == [0.1235, 0.9877]
+
+
+def test_calibrate_profiles_and_re_measures_at_its_q(monkeypatch):
+    # Pins calibrate's q in both measurements (every other calibrate test uses the default 0.05, so dropping q
+    # from either tail_by_bin's or by_bin's call passed). `simulated_streaming` with the first D above: at a
+    # constant budget 2 bins 2 and 3 each hold one token at 0.5 and three at 0.86; their median (q = 0.5) is
+    # (0.86 + 0.86) / 2 = 0.86 >= 0.86, so every bin holds at the smallest candidate, 2, and the schedule of 2s,
+    # re-measured, holds at 0.86 too: one schedule tried. (Profiled at 0.05: [2, 2, 4, 8, 8], as above;
+    # re-measured at 0.05: bin 2 fails at 0.554 and a bin is raised, a second schedule tried.)
+    D = {c: {8: 4, 12: 6}.get(c, 2) for c in range(4, 20)}
+    tried = simulated_streaming(monkeypatch, D)
+    sparse = SparseConfig("streaming", budget=2, interval=1, window=1, sink=0)
+    schedule, rows = calibrate(None, None, candidates=[2, 4, 8], bin_size=4, sparse=sparse, q=0.5)
+    assert tried == [[2, 2, 2, 2, 2]] and schedule == piecewise([0, 4, 8, 12, 16], [2, 2, 2, 2, 2])
+    assert [r["tail"] for r in rows[1:]] == [THRESHOLD] * 4 and [r["profile"][0] for r in rows[1:]] == [THRESHOLD] * 4
+
+
+def test_calibrate_for_block_topk_stops_at_a_bin_that_fails_dense(monkeypatch):
+    # Pins blamed_bin's `budgets[i] is not None` under block top-k: a dense bin attends every page, so it is to
+    # blame for nothing (without the check, attended_pages(None, 16) raised a TypeError mid-calibration). A
+    # stand-in for `measure`, contexts 0-255, bins of 128: bin 1 fails at every budget, dense too. By hand: held
+    # at 128, bin 1 fails -> dense (None); re-measured under [128, None] it still fails, no bin is to blame (bin 0
+    # holds; bin 1 is dense): calibrate stops there, bin 1 below the threshold.
+    def fake_measure(model, prompts, sparse, max_new_tokens, **sampling):
+        contexts = torch.arange(256)
+        return torch.where(contexts < 128, 1.0, 0.5).double()[None], contexts[None]
+
+    monkeypatch.setattr(S, "measure", fake_measure)
+    sparse = SparseConfig("blocktopk", budget=128, interval=128, page_size=16)
+    schedule, rows = calibrate(None, None, candidates=[128], bin_size=128, sparse=sparse)
+    assert schedule == piecewise([0, 128], [128, None]) and [r["tail"] for r in rows] == [1.0, 0.5]
+    assert S.blamed_bin(1, [128, None], [127, 255], [], page_size=16) is None      # the rule itself, by hand
+
+
+def test_an_empty_schedule_is_a_clear_error_and_an_empty_file_is_named(tmp_path):
+    # Pins Schedule's `len(bins) == 0` check: without it piecewise([], []) passed the length check and stopped on
+    # bins[0], an IndexError naming nothing, which Schedule.load (it turns ValueError, not IndexError, into one
+    # naming the file) let through as a traceback for a file of {"bins": [], "budgets": []}
+    with pytest.raises(ValueError, match="need one budget per bin, got 0 bins and 0 budgets"):
+        piecewise([], [])
+    (tmp_path / "empty.json").write_text('{"bins": [], "budgets": []}')
+    with pytest.raises(ValueError, match="cannot read a schedule from .*empty.json: need one budget per bin"):
+        Schedule.load(tmp_path / "empty.json")
