@@ -191,3 +191,27 @@ def test_controller_blames_by_its_own_interval(interval, budgets):
 def test_bad_settings_are_a_clear_error(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_controller_reads_the_tail_at_its_q():
+    # Pins update's q (every test above uses the default 0.05, so by_bin called without it passed). Budget 24,
+    # bins of 32, one row at contexts 20-26 (it compresses at 25: bin 0 evicts), alpha 0 once and 1 six times. By
+    # hand: at q = 0.5 the tail is the median, 1.0 > 0.75 + 0.125, so bin 0 is lowered by 8, 24 -> 16 (bin 1 holds
+    # no token: left alone). At q = 0.05 it is 0.3 * 1.0 = 0.3 < 0.75: bin 0 fails and is raised, 24 -> 36.
+    for q, budgets in [(0.5, (16, 24)), (0.05, (36, 36))]:
+        c = Controller(threshold=0.75, bin_size=32, bins=2, start=24, low=8, high=100, step=8, up=1.5, band=0.125,
+                       min_tokens=2, q=q)
+        c.update(torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]]), torch.arange(20, 27)[None])
+        assert c.budgets == budgets
+
+
+def test_controller_does_not_lower_a_bin_with_fewer_than_min_tokens_though_its_tail_holds():
+    # Pins the `seen` of update's lowering loop (the test above pins it for a failing bin): min_tokens=2, budgets
+    # (24, 40, 64), one row at contexts 5, 6, 40, 41, 64, every alpha 1.0. By hand: nothing fails; bins 0 and 1
+    # are lowered by 8 (bin 0 floored at 20); bin 2 holds one token, too thin to read: kept at 64. Lowering every
+    # bin above threshold + band would give (20, 32, 56).
+    c = Controller(threshold=0.75, bin_size=32, bins=3, start=24, low=20, high=100, step=8, up=1.5, band=0.125,
+                   min_tokens=2)
+    c.schedule = piecewise([0, 32, 64], (24, 40, 64))
+    c.update(torch.ones(1, 5), torch.tensor([[5, 6, 40, 41, 64]]))
+    assert c.budgets == (20, 32, 64)
