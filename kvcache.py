@@ -155,9 +155,7 @@ class Layer:
     def append(self, key, value, pos):
         """Write q new tokens at the end: key, value [B, H_kv, q, D], pos [B, q]."""
         q = key.shape[2]
-        if self.size + q > self.k_buf.shape[2]:  # the buffers are sized once, for max_new_tokens decode steps
-            raise ValueError(f"{self.size} slots held + {q} new tokens do not fit the {self.k_buf.shape[2]} allocated "
-                             "for the cache's max_new_tokens: announce no more steps than it was made for")
+        self.check_room(q)
         end = self.size + q
         self.k_buf[:, :, self.size:end] = key
         self.v_buf[:, :, self.size:end] = value
@@ -167,6 +165,13 @@ class Layer:
         self.size = end
         if self.page_size:
             self.add_pages(key, pos)
+
+    def check_room(self, q):
+        """A ValueError, before anything is written, unless q more tokens fit the buffers (sized once, for the
+        cache's max_new_tokens decode steps)."""
+        if self.size + q > self.k_buf.shape[2]:
+            raise ValueError(f"{self.size} slots held + {q} new tokens do not fit the {self.k_buf.shape[2]} allocated "
+                             "for the cache's max_new_tokens: announce no more steps than it was made for")
 
     def add_pages(self, key, pos):
         """blocktopk: add new keys [B, H_kv, q, D] at positions [B, q] to their pages' running sums, so

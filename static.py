@@ -74,15 +74,12 @@ class StaticCache(KVCache):
         self.static = self.decoding and not self.compressing
         if not self.static:
             return
-        size, capacity = self.layers[0].size, self.layers[0].pos_buf.shape[-1]
-        if size + 1 > capacity:  # `Layer.append`'s check: the step writes at `cursor` unchecked (a GPU's device assert)
-            raise ValueError(f"{size} slots held + 1 new tokens do not fit the {capacity} allocated for the cache's "
-                             "max_new_tokens: announce no more steps than it was made for")
+        self.layers[0].check_room(1)   # the step writes at `cursor` unchecked (past the buffers: a GPU's device assert)
         if resuming:             # after the prefill or a compression, the host's layout is the truth
             self.resume()
         self.now.copy_(positions)
-        held = size + 1                                                  # with this step's own key
-        self.span = min(capacity, -(-held // SPAN) * SPAN)
+        held = self.layers[0].size + 1                                   # with this step's own key
+        self.span = min(self.layers[0].pos_buf.shape[-1], -(-held // SPAN) * SPAN)
         if self.sparse.policy == "blocktopk":
             self.pages.copy_(self.top)
 
