@@ -21,11 +21,9 @@ Every timing reads `sampler.clock(device)` (synchronised). Rows are written to -
 not begun by `deadline` seconds (--deadline) as skipped (a session has 15 minutes of device time: gpu_check.sh), and
 a row that fails as its error, the rest still measured (`attempt`); progress goes to stderr. Measurements, never
 assertions."""
-import gc
 import json
 import time
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,7 +32,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import bench
 from bench import EVICTION, HF, LONG_POLICY, agreement, greedy, hf_config, log, pct, random_ids, ratio
 from cli import markdown
-from clocks import copy_bandwidth, timed
+from clocks import copy_bandwidth, forward_calls, peak_bytes, reset_peak, timed
 from correction import ALPHA_TOPK, dense_logprobs
 from cost import kv_bytes
 from kvcache import KVCache, SparseConfig
@@ -68,7 +66,7 @@ ROWS = [(HF, "new", {}), ("full", "new", {}), (HF, "long_new", {}), ("full", "lo
         ("blocktopk", "new", CAPTURED), ("blocktopk", "long_new", CAPTURED)]
 
 
-# ----------------------------------------------------------------------------- the device
+# ----------------------------------------------------------------------------- the model
 
 def qwen3_model(s, device):
     """A random Qwen3 of shape `s` (`bench.hf_config`'s head_dim, tied embeddings) in bf16 on `device`, eval mode."""
@@ -82,44 +80,8 @@ def qwen3_model(s, device):
     return model
 
 
-def reset_peak(device):
-    """Forget the allocator's peak (CUDA only), after returning what the last run left cached."""
-    if device.type == "cuda":
-        gc.collect()   # a failed try's tensors may sit in reference cycles (its frames)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_bytes(device):
-    """`torch.cuda.max_memory_allocated` since `reset_peak`; None on a CPU, which keeps no such count."""
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-
-
 class Enough(Exception):
     """Raised from a forward hook by `fits` to end a rollout early: a fit test needs its allocations, not its tokens."""
-
-
-@contextmanager
-def forward_calls(model, sampler, at, action):
-    """Run `action()` before forward pass number `at` (0: the prefill) of every rollout inside the block. HF's
-    passes are counted at the model's forward; ours at `KVCache.start_step`, which announces every pass, also
-    those that a CUDA graph replays without calling the model (captured=True)."""
-    count = [0]
-
-    def hook(*args):
-        if count[0] == at:
-            action()
-        count[0] += 1
-    handle = model.register_forward_pre_hook(hook) if sampler == HF else None
-    start_step = KVCache.start_step
-    if sampler != HF:
-        KVCache.start_step = lambda cache, positions: hook() or start_step(cache, positions)
-    try:
-        yield
-    finally:
-        KVCache.start_step = start_step
-        if handle:
-            handle.remove()
 
 
 # ----------------------------------------------------------------------------- one timed window
@@ -133,7 +95,7 @@ def window_run(model, s, sampler, prompt_len, steps, budget=None, batch=None, **
     ids = random_ids(s, batch, prompt_len, device)
     start = []
     reset_peak(device)
-    with forward_calls(model, sampler, steps - s["window"], lambda: start.append(clock(device))):
+    with forward_calls(model, steps - s["window"], lambda: start.append(clock(device)), hf=sampler == HF):
         tokens, kv_tokens, _, _ = greedy(model, ids, sampler, steps, budget or s["budget"], s["interval"], **extra)
         seconds = clock(device) - start[0]
     return dict(tokens_per_s=batch * s["window"] / seconds, step_s=seconds / s["window"], peak_bytes=peak_bytes(device),
@@ -333,7 +295,7 @@ def fits(model, s, sparse, batch, peaks):
     ids, fitted = random_ids(s, batch, s["prompt"], model.device).tolist(), True
     reset_peak(model.device)
     try:
-        with forward_calls(model, sparse.policy, 1 + s["fit_steps"], stop):
+        with forward_calls(model, 1 + s["fit_steps"], stop):
             generate(model, ids, sparse, max_new_tokens=s["search_new"], temperature=0)
     except Enough:
         pass

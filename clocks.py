@@ -1,4 +1,5 @@
-"""How the benches time work and attribute the time: to a call, to choosing what to keep, to other processes.
+"""How the benches time work and attribute the time (to a call, to choosing what to keep, to other processes),
+and read a run's peak GPU memory.
 
 Every clock here reads `sampler.clock(device)`, which on a GPU synchronises first: CUDA runs kernels
 asynchronously, so an unsynchronised clock times their launch, not the work. Timings are measurements, never
@@ -8,14 +9,17 @@ assertions: the tests check only how the clocks count, on fake clocks, never a s
 - `run_clocks`: a stamp at every forward pass, and how many cores other processes kept busy meanwhile
   (`others_jiffies`, from Linux's /proc): a disturbed run is listed, not trusted.
 - `eviction_clock`: the seconds spent choosing (what to evict, or which pages) inside a rollout.
+- `forward_calls`: an action (a clock's start) at one forward pass of a rollout; `reset_peak` / `peak_bytes`:
+  the most GPU memory a run held (bench_gpu.py's decode windows and batch search).
 
-bench.py times its CPU runs with all of them (`bench.run`, `overheads`, `limit`); bench_gpu.py times re-scoring
-with `timed` and the card's bandwidth with `copy_bandwidth`, and its decode windows on `sampler.clock` itself
-(a stamp at every step would synchronise, stalling the queue):
+bench.py times its CPU runs with all but the last (`bench.run`, `overheads`, `limit`); bench_gpu.py times
+re-scoring with `timed`, the card's bandwidth with `copy_bandwidth`, and its decode windows on `sampler.clock`
+itself, started by `forward_calls` (a stamp at every step would synchronise, stalling the queue):
 
     with eviction_clock() as spent, run_clocks(model) as (stamps, others):
         seconds, out = timed(lambda: generate(model, prompts, sparse, max_new_tokens=64), model.device)
 """
+import gc
 import os
 import statistics
 import time
@@ -92,3 +96,40 @@ def eviction_clock():
     wrapped = {name: clocked(getattr(kvcache, name)) for name in ("compress", "page_plan", "top_pages")}
     with patch.multiple(kvcache, **wrapped), patch.object(kvcache.Layer, "remember", clocked(kvcache.Layer.remember)):
         yield spent   # patch puts each original back when the block ends
+
+
+@contextmanager
+def forward_calls(model, at, action, hf=False):
+    """Run `action()` before forward pass number `at` inside the block (0: the first prefill), to start a clock
+    mid-rollout without a stamp (a synchronisation) at every pass. Our sampler's passes are counted at
+    `KVCache.start_step`, which announces every pass, also those that a CUDA graph replays without calling the
+    model (captured=True); HF generate's (`hf=True`) at the model's forward."""
+    count = [0]
+
+    def hook(*args):
+        if count[0] == at:
+            action()
+        count[0] += 1
+    start_step = kvcache.KVCache.start_step
+    if hf:
+        handle = model.register_forward_pre_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+    else:
+        with patch.object(kvcache.KVCache, "start_step", lambda cache, positions: hook() or start_step(cache, positions)):
+            yield
+
+
+def reset_peak(device):
+    """Forget the allocator's peak (CUDA only), after returning what the last run left cached."""
+    if device.type == "cuda":
+        gc.collect()   # a failed try's tensors may sit in reference cycles (its frames)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device):
+    """`torch.cuda.max_memory_allocated` since `reset_peak`; None on a CPU, which keeps no such count."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

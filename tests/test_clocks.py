@@ -2,8 +2,13 @@
 fake /proc, and kvcache's choosing functions wrapped only inside the block. No timed assertions: speeds differ
 between machines and runs."""
 import pytest
+import torch
 
 import clocks
+import sampler
+from kvcache import KVCache, SparseConfig
+from reference import hf_greedy, tiny_model
+from sampler import generate
 
 
 def test_an_eviction_wrapper_is_removed_after_use():
@@ -73,3 +78,41 @@ def test_timed_and_rate_read_the_clock_around_the_call_and_skip_the_warm_up(monk
     assert clocks.timed(costing(5.0)) == (5.0, "done")
     assert clocks.rate(6, costing(10.0, 2.0), repeats=1) == 3.0            # the 10 s warm-up is not timed: 6 / 2
     assert clocks.rate(12, costing(0.0, 1.0, 1.0, 4.0), repeats=3) == 12.0  # median 1 s (the mean would be 2)
+
+
+def test_the_timed_window_counts_the_steps_a_graph_replays(monkeypatch):
+    # a CUDA graph replays a step without calling the model: a capture that replays the first static step's
+    # output stands in for it here. The window's clock must still start before pass 10, not at the model's 10th call
+    def replaying(step, cache):
+        first = []
+
+        def run(*args):
+            first.append(first[0] if first else step(*args))
+            cache.end_step()
+            return first[0]
+        return run
+    monkeypatch.setattr(sampler, "capture", replaying)
+    model, prompts = tiny_model("qwen3"), [[1, 2, 3]] * 2
+    model_calls, clocked = [], []
+    model.register_forward_pre_hook(lambda *args: model_calls.append(1))
+    with clocks.forward_calls(model, 10, lambda: clocked.append(len(model_calls))):
+        generate(model, prompts, SparseConfig("full"), max_new_tokens=20, temperature=0, captured=True)
+    assert clocked == [2] and len(model_calls) == 2          # the prefill and the first static step; 18 replayed
+
+
+@pytest.mark.parametrize("hf", [False, True])
+def test_forward_calls_acts_once_before_the_pass_it_names_then_lets_go(hf):
+    model, prompts, calls, acted, start_step = tiny_model(), [[1, 2, 3], [4, 5, 6]], [], [], KVCache.start_step
+    run = ((lambda: hf_greedy(model, prompts, max_new_tokens=8)) if hf else
+           (lambda: generate(model, prompts, SparseConfig("full"), max_new_tokens=8, temperature=0)))
+    with clocks.forward_calls(model, 5, lambda: acted.append(len(calls)), hf=hf):
+        model.register_forward_pre_hook(lambda *args: calls.append(1))   # after forward_calls's: it counts first
+        run()
+        run()                                                 # a second rollout: pass 5 was the first one's
+    assert acted == [5]                                       # before the 6th forward: the prefill + 4 decode steps
+    assert len(model._forward_pre_hooks) == 1 and KVCache.start_step is start_step   # its hooks are gone
+
+
+def test_peak_bytes_is_none_on_a_cpu_which_keeps_no_count():
+    clocks.reset_peak(torch.device("cpu"))                    # nothing to forget on a CPU: no error
+    assert clocks.peak_bytes(torch.device("cpu")) is None
