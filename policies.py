@@ -58,7 +58,10 @@ def pool(x, mask, kernel, how):
     left by eviction and the window sit among the slots, so the slots `mask` keeps are packed to the
     front (stable: sequence order kept), pooled, and put back. The ends are padded as F.avg_pool1d
     (zeros, counted in the mean) and F.max_pool1d (-inf) pad them, as in the authors' code.
+    `how`: "avg" (SnapKV) or "max" (R-KV).
     """
+    if how not in ("avg", "max"):
+        raise ValueError(f"unknown pooling {how!r}; allowed: avg, max")
     order = mask.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)       # [b, H, S]
     fill = 0.0 if how == "avg" else float("-inf")
     packed = x.gather(-1, order).masked_fill(~mask.gather(-1, order), fill).flatten(0, 1)[:, None]

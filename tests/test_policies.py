@@ -130,3 +130,10 @@ def test_a_rows_pages_do_not_depend_on_its_batch_mates(dtype, device="cpu"):   #
 
     alone, beside = attended([0], [6]), attended([0, 1], [6, 23])
     assert sorted(alone[alone >= 0].tolist()) == sorted(beside[beside >= 0].tolist())
+
+
+def test_pool_refuses_an_unknown_mode_by_name():
+    # "mean" (a typo for "avg") max-pooled silently; it must name itself and the modes allowed
+    x, mask = torch.rand(1, 1, 5), torch.ones(1, 1, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"'mean'.*avg.*max"):
+        pool(x, mask, 3, "mean")
