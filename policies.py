@@ -4,6 +4,8 @@ sections 2 and 3). Pure functions of tensors; `kvcache.py` holds the cache that 
 - One signature for every eviction policy: `score(rows, sparse) -> [b, H_kv, S]`, larger = keep, over
   the b rows of a layer that compress at this step. StreamingLLM, H2O, SnapKV, R-KV and random are
   five small functions; a new policy is one function in SCORERS and its name in `kvcache.POLICIES`.
+  Only the scores of real tokens before the window are read: `kvcache.compress` then sets the window to
+  +inf and padding and holes (pos -1) to -inf, so what a scorer gives those slots never matters.
 - SnapKV and R-KV score as their authors' code does (one prompt, no padding): window attention to the
   keys before the observation window, pooled along those keys only. A padded or evicted slot is no
   token's neighbour (`pool`), so a row's choice never depends on the other prompts of its batch.
@@ -94,7 +96,9 @@ def redundancy(keys, valid, threshold=0.5):
 
 
 def streaming(rows, sparse):
-    """StreamingLLM (Xiao et al. 2023): the first `sink` tokens, then the most recent ones."""
+    """StreamingLLM (Xiao et al. 2023): the first `sink` tokens, then the most recent ones. Padding and holes
+    (pos -1 < sink) score +inf here; `kvcache.compress` drops them (-inf) before choosing, so no real token
+    loses its place to one."""
     return torch.where(rows.pos < sparse.sink, float("inf"), rows.pos.float())
 
 
