@@ -295,14 +295,14 @@ def _plain(text):
 def extract_answer(completion):
     """The final answer of a completion as an exact Fraction (== 2.5 for "2.50"), or None when it has none.
 
-    Only the last marker counts: "#### N" (or more hashes; the rest of its line) or "\\boxed{N}" (braces
-    balanced), read after `_plain` drops LaTeX and markdown around the number; commas group thousands
-    ("#### 1,234" is 1234). Text without a marker ("The answer is 5") has no answer: the model is
-    asked for the marker, and guessing the last number would reward intermediate results (verl's
-    "strict" GSM8K rule).
+    Only the last marker counts: "#### N" (or more hashes; the rest of its line, less hashes that close it:
+    "#### 72 ####" is 72) or "\\boxed{N}" (braces balanced), read after `_plain` drops LaTeX and markdown
+    around the number; commas group thousands ("#### 1,234" is 1234). Text without a marker ("The answer is
+    5") has no answer: the model is asked for the marker, and guessing the last number would reward
+    intermediate results (verl's "strict" GSM8K rule).
     """
-    # "#####" too: a longer run of hashes is the same marker, not "####" and an answer "# 72"
-    markers = [(m.start(), m.group(1)) for m in re.finditer(r"#{4,}((?:(?!####)[^\n])*)", completion)]
+    # "#####" is the same marker, not "####" and an answer "# 72"; hashes ending its line close it (markdown's "##")
+    markers = [(m.start(), m[1]) for m in re.finditer(r"(?m)#{4,}((?:(?!####).)*)(?:#{4,}[^\S\n]*$)?", completion)]
     markers += [(m.start(), _braced(completion, m.end())) for m in re.finditer(r"\\boxed\{", completion)]
     if not markers:
         return None

@@ -304,6 +304,9 @@ def test_encode_target_is_the_answer_then_eos():
     ("###### 72", "72", 1.0),
     ("#####72", "72", 1.0),
     ("#### 18 ##### 19", "19", 1.0),
+    ("#### 72 ####", "72", 1.0),                              # hashes that close the marker's line (markdown's
+    ("#### 72 #####  \r\n", "72", 1.0),                       # closing run) are no new, empty marker (read none)
+    ("#### 72\n####", "72", 0.0),                              # but hashes on a line of their own are
     ("##### 18 - 5", "18", 0.0),                              # still no number after the longer marker
     ("### 72", "72", 0.0),                                    # three hashes are a heading, no marker
     ("#### 72.", "72", 1.0),                                  # a sentence's full stop,
