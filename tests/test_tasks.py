@@ -290,6 +290,10 @@ def test_encode_target_is_the_answer_then_eos():
     ("\\boxed{72 \\text{ times}}", "72", 1.0),
     ("#### 1 000", "1", 0.0),                                 # a space between thousands: not 1,
     ("#### 1\u202f000", "1", 0.0),
+    ("#### 3 4", "3", 0.0),                                   # two numbers, or 34 spaced: not 3 (was 1.0),
+    ("#### 3 4", "34", 0.0),                                  # nor 34
+    ("#### 12 00", "12", 0.0),
+    ("\\boxed{3\n4}", "3", 0.0),
     ("#### 1,", "1", 0.0),                                    # "1,000" cut short by max_new_tokens
     ("#### 1, so it is", "1", 1.0),                           # a comma that ends a clause
     ("#### −18", "-18", 1.0),                                 # Unicode's minus as a sign
