@@ -249,8 +249,8 @@ def encode_target(tokenizer, answer):
 # (the wording of verl's GSM8K preprocessing).
 ANSWER_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
-# What a data file's final answer may be: 72, -3, 2.50, 1,234 (commas only between groups of three digits)
-NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+# What a data file's final answer may be, as extract_answer reads it: 72, -3, −3, 2.50, .5, 1,234 (commas as below)
+NUMBER = r"[-−]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
 # The number a final answer starts with: a sign ("-" or "−"), maybe a dollar sign ("-$5", "$-5"), then 1,234.5
 # (commas only between groups of three digits), 72, 2.50 or .5; never followed by more digits, by ",5" or a closing
 # "," ("1,5" is no number we can read: not 15, not 1.5; "1," is "1,000" cut short), by a space and digits ("1 000",
@@ -328,11 +328,11 @@ def numeric_reward(completion, answer):
 def load_jsonl(path):
     """Examples {"prompt", "answer"} from a JSONL file; ValueError naming file and line if malformed.
 
-    A line is {"question", "answer"} (GSM8K: reasoning, then a final line "#### 72") or
-    {"prompt", "answer"}. The answer kept is the number after the last "####" (or the whole
-    answer if it has none), without commas: "1,080" -> "1080". Answers must be numbers, since
-    `numeric_reward` scores this data. A question gets ANSWER_INSTRUCTION appended; a prompt is
-    kept as written. Blank lines are skipped.
+    A line is {"question", "answer"} (GSM8K: reasoning, then a final line "#### 72") or {"prompt", "answer"}.
+    The answer kept is the number after the last "####" (or the whole answer if it has none), without commas
+    and with "-" for Unicode's minus: "1,080" -> "1080", "−3" -> "-3". Answers must be numbers, since
+    `numeric_reward` scores this data. A question gets ANSWER_INSTRUCTION appended; a prompt is kept as
+    written. Blank lines are skipped.
     """
     path = Path(path)
     if path.is_dir():
@@ -377,7 +377,7 @@ def _parse_line(line, where):
     if not re.fullmatch(NUMBER, final):
         raise ValueError(f"{where}: final answer {final!r} is not a number")
     prompt = record["prompt"] if key == "prompt" else record["question"] + "\n" + ANSWER_INSTRUCTION
-    return {"prompt": prompt, "answer": final.replace(",", "")}
+    return {"prompt": prompt, "answer": final.replace(",", "").replace("−", "-")}   # "-": Fraction reads no "−"
 
 
 # ---------------------------------------------------------------- arithmetic word questions

@@ -361,6 +361,15 @@ def test_load_jsonl_reads_both_shapes(tmp_path):
     assert second == {"prompt": "2 - 5 =", "answer": "-3"}
 
 
+def test_a_final_answer_is_any_number_the_reward_reads(tmp_path):
+    # ".5" and Unicode's minus ("−3") are numbers extract_answer reads in a completion (GSM8K writes neither: its
+    # finals are integers such as "-3" or "1,080"); a data file holding them was refused as "not a number"
+    path = write(tmp_path / "n.jsonl", [json.dumps({"prompt": "p", "answer": a}) for a in (".5", "#### −3", "−1,000.5")])
+    assert [e["answer"] for e in load_jsonl(path)] == [".5", "-3", "-1000.5"]
+    for example, completion in zip(load_jsonl(path), ("#### 0.5", "\\boxed{-3}", "#### −1,000.50")):
+        assert numeric_reward(completion, example["answer"]) == 1.0
+
+
 def test_the_number_after_the_last_hashes_is_the_answer(tmp_path):
     # a solution may write "####" more than once: the final answer is the number after the last one
     path = write(tmp_path / "two.jsonl", [json.dumps({"question": "q", "answer": "a #### 3\n#### 5"}),
