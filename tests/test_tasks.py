@@ -331,6 +331,13 @@ def test_numeric_reward_hand_cases(completion, answer, expected):
     assert numeric_reward(completion, answer) == expected
 
 
+def test_an_answer_that_is_no_number_is_refused_whatever_the_completion():
+    # it raised only once a completion had a readable final answer: 0.0 for the first steps of a run, then a crash
+    for completion in ("#### 5", "no answer yet", "####"):
+        with pytest.raises(ValueError, match="seventy"):
+            numeric_reward(completion, "seventy")
+
+
 def test_extract_answer():
     assert extract_answer("#### 1,234,567.25") == 1234567.25
     assert extract_answer("\\boxed{\\text{1{,}000}} apples") == 1000
