@@ -319,9 +319,10 @@ def numeric_reward(completion, answer):
 
     Compared as numbers ("2.50" == "2.5", "-3" == "-3.0"), exactly: both sides are parsed from decimal text into
     Fractions, so no tolerance is needed and none forgives a near miss (1000000001 is not 1000000000, nor is
-    10000000000000001 10000000000000000, which are the same float). `answer`: text ("1,080") or a number.
+    10000000000000001 10000000000000000, which are the same float). `answer`: text ("1,080", "−3") or a number.
     """
-    expected = Fraction(str(answer).replace(",", ""))        # first: a bad answer fails whatever the completion
+    expected = Fraction(str(answer).replace(",", "").replace("−", "-"))   # first: a bad answer fails whatever the
+    # completion; "-": Fraction reads no Unicode minus
     return float(extract_answer(completion) == expected)    # None (no answer) equals no Fraction
 
 

@@ -304,6 +304,8 @@ def test_encode_target_is_the_answer_then_eos():
     ("#### 10,000,000,000,000,001", 10000000000000001, 1.0),
     ("#### 0", "0.0000005", 0.0),
     ("#### 5", 5, 1.0),                                       # the answer as a number
+    ("#### -3", "−3", 1.0),                                   # an answer with Unicode's minus (raised)
+    ("#### −3", "−3", 1.0),
     ("##### 72", "72", 1.0),                                  # GSM8K's marker with more hashes (read none)
     ("###### 72", "72", 1.0),
     ("#####72", "72", 1.0),
