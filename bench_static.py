@@ -184,11 +184,12 @@ def print_step_times(model, prompts, configs, args):
         steady, compressions, spread = parts[p]
         ms = lambda which: sorted(1e3 * s for s, c in zip(seconds[p], compressing[p]) if c == which) or [0.0]
         calm, each = ms(False), ms(True)
+        p90 = calm[-(-9 * len(calm) // 10) - 1]   # nearest rank: the ceil(0.9 n)-th smallest
         mean, vs = steady + compressions + spread, steady / parts[first][0] if parts[first][0] else float("nan")
         print(f"{p:>10}: mean step {mean:6.2f} ({mean / sum(parts[first]):.2f}x {first}'s) = steady median "
               f"{steady:6.2f} ({vs:.2f}x) + compressions {compressions:5.2f} ({sum(compressing[p])} steps, median "
               f"{statistics.median(each):7.2f}) + the steady steps' spread {spread:5.2f} (p90 "
-              f"{calm[int(0.9 * len(calm))]:6.2f}, max {calm[-1]:7.2f}); garbage collector "
+              f"{p90:6.2f}, max {calm[-1]:7.2f}); garbage collector "
               f"{1e3 * collector[p].seconds / len(seconds[p]):4.2f} a step, {collector[p].full} full collections")
 
 

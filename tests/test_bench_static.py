@@ -212,8 +212,8 @@ def test_print_step_times_reports_every_rounds_steps_by_hand(monkeypatch, capsys
     round 2 (median 30 over both); snapkv's steady steps 1, 2, ..., 20 and two compressions, 50 and 70, in each of
     2 rounds (the warm-up's 1000s must not count). By hand, snapkv: steady median 10.5, compressions
     (39.5 + 59.5) / 22 = 4.5 a step, spread 0, mean 15 = 0.50x full's, steady 0.35x full's; 4 compressing steps,
-    median 60; over the 40 steady steps, p90 the 37th smallest (19), max 20. The policies take turns, round
-    after round, after one warm-up each."""
+    median 60; over the 40 steady steps, p90 the nearest rank ceil(0.9 x 40) = 36th smallest (18), max 20. The
+    policies take turns, round after round, after one warm-up each."""
     import argparse
 
     calls = []
@@ -234,7 +234,7 @@ def test_print_step_times_reports_every_rounds_steps_by_hand(monkeypatch, capsys
     assert ("      full: mean step  30.00 (1.00x full's) = steady median  30.00 (1.00x) + compressions  0.00 (0 steps, "
             "median    0.00) + the steady steps' spread  0.00 (p90  50.00, max   50.00)") in out
     assert ("    snapkv: mean step  15.00 (0.50x full's) = steady median  10.50 (0.35x) + compressions  4.50 (4 steps, "
-            "median   60.00) + the steady steps' spread  0.00 (p90  19.00, max   20.00)") in out
+            "median   60.00) + the steady steps' spread  0.00 (p90  18.00, max   20.00)") in out
 
 
 def test_print_step_times_reports_the_rollouts_finished_before_a_time_limits_sigint(monkeypatch, capsys):
