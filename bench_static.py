@@ -226,7 +226,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2, help="timed rollouts a policy and path (the median is shown)")
     p.add_argument("--hf", action="store_true", help="also time Hugging Face generate (dense, greedy)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                   help="then profile a STEPS-token rollout per policy, eager and captured (torch.profiler)")
+                   help="then profile a STEPS-token rollout per policy, eager and captured (torch.profiler): the "
+                        "prefill and STEPS - 1 decode steps, their sums over STEPS shown as a step's")
     p.add_argument("--count-ops", action="store_true",
                    help="only count the ops (kernel launches on a GPU) of a decode step per policy, eager and static")
     p.add_argument("--step-times", action="store_true",
@@ -243,6 +244,8 @@ def main(argv=None):
         check_least(args, 0, ["profile"], notes=dict(profile="0: no profile"))
         if args.step_times and args.new < 2:                          # the prefill samples the first token
             raise ValueError(f"--step-times times decode steps, and --new {args.new} has none: give --new 2 or more")
+        if args.profile == 1:                                         # its numbers "a step" would be the prefill's
+            raise ValueError("--profile 1 profiles the prefill alone, no decode step: give 0 (no profile) or 2 or more")
         device = pick_device(args.device)
         configs = {policy: SparseConfig(policy, budget=args.budget, interval=args.interval)
                    for policy in args.policies.split(",")}                # a policy named twice runs once

@@ -326,6 +326,8 @@ def test_a_budget_or_interval_up_to_dense_passes_the_checks(monkeypatch):
     (["--count-ops", "--profile", "8"], "runs of their own, each alone: got --count-ops --profile"),
     # one token is the prefill's: no decode step, and split_mean's ZeroDivisionError once the model was built
     (["--step-times", "--new", "1"], "--step-times times decode steps, and --new 1 has none: give --new 2 or more"),
+    # a 1-token rollout is the prefill alone: its time was printed as "ms a step", with kernels and launches a step
+    (["--profile", "1"], "--profile 1 profiles the prefill alone, no decode step: give 0 (no profile) or 2 or more"),
 ])
 def test_the_command_line_refuses_bad_flags_before_building_a_model(monkeypatch, capsys, argv, message):
 
