@@ -57,7 +57,8 @@ def cost(config, context, budget=None, batch=1, page_size=None, dense_layers=0, 
 
     A sparse layer reads kv_len = min(context, budget) tokens (page_size given: blocktopk, which attends budget //
     page_size pages plus the first and 2 newest, and scores context / page_size mean keys per KV head first);
-    the first `dense_layers` and any budget >= context (or None) read everything.
+    the first `dense_layers` and a budget of None (a dense model) read everything; so does a budget >= context,
+    blocktopk's still scoring every page (as KVCache does at any budget, a schedule's dense DENSE too).
     Returns dict(flops, bytes, cost) with cost = flops + intensity * bytes (effective FLOPs).
     """
     for name, value, least in (("context", context, 1), ("batch", batch, 1), ("dense_layers", dense_layers, 0)):
@@ -65,7 +66,7 @@ def cost(config, context, budget=None, batch=1, page_size=None, dense_layers=0, 
     if page_size is not None:
         check_number("page_size", page_size, 1, DENSE)   # 0 read as no page_size: an eviction policy's price
     L, n, n_kv, d, P = shape(config)
-    sparse = 0 if budget is None or budget >= context else L - min(dense_layers, L)   # the layers that read less
+    sparse = 0 if budget is None else L - min(dense_layers, L)   # the sparse cache's layers (blocktopk: paged)
     kv = context
     if sparse:   # eviction: the budget; blocktopk: the budget's pages and the reserved ones
         kv = min(context, attended_pages(budget, page_size) * page_size if page_size else budget)
@@ -91,7 +92,7 @@ def speedup(config, schedule, context, prompt=0, stride=64, **kwargs):
     if not steps:
         raise ValueError(f"no decode step from prompt {prompt} to context {context}: context must exceed prompt")
     total = lambda budget: sum(cost(config, c, budget(c), **kwargs)["cost"] for c in steps)
-    return total(lambda c: None) / total(schedule)           # DENSE (2**40) >= any context: cost reads it all
+    return total(lambda c: None) / total(schedule)           # None: a dense model, no cache (no page scored)
 
 
 def speedup_table(schedules, context, batch, policy, **pages):

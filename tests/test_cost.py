@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from cost import QWEN3, cost, kv_bytes, shape, speedup
-from kvcache import CACHE_ARG
+from kvcache import CACHE_ARG, DENSE
 from reference import tiny_model
 from schedule import constant, piecewise
 
@@ -26,10 +26,9 @@ def test_cost_matches_a_hand_computation():
     b = cost(CONFIG, context=100, budget=20, batch=3, page_size=4, dense_layers=1, bytes_per=2, intensity=10)
     assert b["flops"] == 3 * (2 * 1232 + 4 * 2 * 4 * (100 + 32)) + 3 * 2 * 4 * 25
     assert b["bytes"] == 2 * (1232 + 3 * 2 * 4 * (100 + 32)) + 2 * 3 * 4 * 25
-    # 102 tokens fill 26 pages, the last one partly, all 26 scored; a budget that covers the context is dense
+    # 102 tokens fill 26 pages, the last one partly, all 26 scored
     c = cost(CONFIG, context=102, budget=20, page_size=4, bytes_per=2, intensity=10)
     assert c["flops"] == 2 * 1232 + 2 * 4 * 2 * 4 * 32 + 2 * 2 * 1 * 4 * 26
-    assert cost(CONFIG, 100, budget=100, page_size=4) == cost(CONFIG, 100, None, page_size=4)
     # a budget between whole pages attends its whole pages only (22 // 4 = 5, as KVCache.start_step): 32 tokens
     assert cost(CONFIG, 100, budget=22, page_size=4) == cost(CONFIG, 100, budget=20, page_size=4)
     # at 30 tokens the budget's 5 pages + 3 reserved would be 32 tokens: a layer reads only the 30 there are,
@@ -116,3 +115,15 @@ def test_cost_names_a_bad_context_batch_dense_layers_or_page_size():
                             (dict(batch=0), "batch must be a positive integer, got 0")):
         with pytest.raises(ValueError, match=f"^{message}$"):
             cost(CONFIG, **dict(dict(context=100, budget=20), **kwargs))
+
+
+def test_a_blocktopk_budget_that_covers_the_context_still_scores_its_pages():
+    # KVCache scores every page at every decode step whatever the budget (a schedule's dense bin: DENSE), and
+    # attends them all: it was priced as a dense model (budget None), the page scoring left out. By hand, 100
+    # tokens, pages of 4, both layers paged: each reads 100 tokens and scores 25 mean keys (kv_heads 1, dim 4)
+    for budget in (100, 400, DENSE):
+        c = cost(CONFIG, context=100, budget=budget, page_size=4, bytes_per=2, intensity=10)
+        assert c["flops"] == 2 * 1232 + 4 * 2 * 4 * (100 + 100) + 2 * (2 * 1 * 4 * 25)
+        assert c["bytes"] == 2 * (1232 + 2 * 1 * 4 * (100 + 100)) + 2 * 2 * (1 * 4 * 25)
+    assert cost(CONFIG, 100, None, page_size=4) == cost(CONFIG, 100, None)   # None: a dense model, no pages
+    assert cost(CONFIG, 100, 400) == cost(CONFIG, 100, None)                 # an eviction cache under budget: dense
