@@ -16,6 +16,7 @@ What is notable here:
     python -c "import cost; print(cost.speedup(cost.QWEN3['Qwen3-1.7B'], lambda c: 2048, 32768))"
 """
 from cli import markdown
+from hook import SUPPORTED_MODELS
 from kvcache import DENSE, check_number
 from policies import attended_pages
 
@@ -33,11 +34,15 @@ H100_INTENSITY = 989e12 / 3.35e12   # bf16 dense FLOP/s per byte/s of HBM: ~295 
 
 
 def shape(config):
-    """(layers, heads, kv_heads, head_dim, matmul parameters) of a Llama-style HF config or a dict of its fields."""
+    """(layers, heads, kv_heads, head_dim, matmul parameters) of a Llama-style HF config or a dict of its fields
+    (a model_type, if any, one of hook.SUPPORTED_MODELS: the families whose MLP is gated, 3 matrices)."""
     get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
     needed = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     if missing := [k for k in needed if get(k) is None]:             # GPT-2's: n_inner, no intermediate_size
         raise ValueError(f"the cost model reads a Llama-style config (gated MLP); this one has no {', '.join(missing)}")
+    if get("model_type") not in (None, *SUPPORTED_MODELS):          # Phi, GPT-NeoX: the fields, two MLP matrices
+        raise ValueError(f"the cost model prices a gated MLP, as model_type {', '.join(SUPPORTED_MODELS[:-1])} and "
+                         f"{SUPPORTED_MODELS[-1]} have; got model_type {get('model_type')!r}")
     h, L, n, n_kv = get("hidden_size"), get("num_hidden_layers"), get("num_attention_heads"), get("num_key_value_heads")
     n_kv, d = n_kv or n, get("head_dim") or h // n
     # q and o: h * n * d each; k and v: h * n_kv * d each; gated MLP: 3 * h * intermediate; lm head: V * h

@@ -127,3 +127,20 @@ def test_a_blocktopk_budget_that_covers_the_context_still_scores_its_pages():
         assert c["bytes"] == 2 * (1232 + 2 * 1 * 4 * (100 + 100)) + 2 * 2 * (1 * 4 * 25)
     assert cost(CONFIG, 100, None, page_size=4) == cost(CONFIG, 100, None)   # None: a dense model, no pages
     assert cost(CONFIG, 100, 400) == cost(CONFIG, 100, None)                 # an eviction cache under budget: dense
+
+
+@pytest.mark.parametrize("family", ["PhiConfig", "GPTNeoXConfig", "Starcoder2Config"])
+def test_shape_refuses_a_family_whose_mlp_is_not_gated(family):
+    # Phi, GPT-NeoX and StarCoder2 have every field shape reads, but two MLP matrices, not three: GPT-NeoX-20B's
+    # config was priced at 26.9e9 matmul parameters (by hand, 44 x (4 x 6144^2 + 2 x 6144 x 24576) + 50432 x 6144
+    # = 20.2e9 with a two-matrix MLP), silently. The families the hook runs (all gated) still pass, config or dict.
+    import transformers
+    config = getattr(transformers, family)()
+    with pytest.raises(ValueError, match=f"^the cost model prices a gated MLP, as model_type llama, mistral, qwen2 "
+                                         f"and qwen3 have; got model_type '{config.model_type}'$"):
+        shape(config)
+    with pytest.raises(ValueError, match=f"got model_type '{config.model_type}'$"):
+        kv_bytes(config.to_dict(), 1)
+    for gated in (transformers.LlamaConfig(), transformers.MistralConfig(), transformers.Qwen2Config(),
+                  transformers.Qwen3Config()):
+        assert shape(gated) == shape(gated.to_dict())
