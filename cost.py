@@ -70,6 +70,8 @@ def cost(config, context, budget=None, batch=1, page_size=None, dense_layers=0, 
         check_number(name, value, least, DENSE)       # dense_layers -1 priced L + 1 sparse layers, below the weights
     if page_size is not None:
         check_number("page_size", page_size, 1, DENSE)   # 0 read as no page_size: an eviction policy's price
+    if budget is not None:
+        check_number("budget", budget, 1, DENSE)         # < 1: a negative kv_len, priced below the weights alone
     L, n, n_kv, d, P = shape(config)
     sparse = 0 if budget is None else L - min(dense_layers, L)   # the sparse cache's layers (blocktopk: paged)
     kv = context

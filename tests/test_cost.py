@@ -105,14 +105,18 @@ def test_shape_names_the_fields_a_config_lacks():
         shape(dict(hidden_size=8))
 
 
-def test_cost_names_a_bad_context_batch_dense_layers_or_page_size():
+def test_cost_names_a_bad_context_batch_dense_layers_page_size_or_budget():
     # each was priced: dense_layers -1 as 3 sparse layers of 2 (1184 FLOPs, less than the weights' 2 * 1232 alone),
     # page_size 0 as an eviction policy (no pages scored), context -5 and batch 0 as steps that compute nothing
     assert cost(CONFIG, 100, 20)["flops"] == 2 * 1232 + 4 * 2 * 4 * 40     # the hand count: 2 layers read 20 each
     for kwargs, message in ((dict(dense_layers=-1), "dense_layers must be a non-negative integer, got -1"),
                             (dict(page_size=0), "page_size must be a positive integer, got 0"),
                             (dict(context=-5), "context must be a positive integer, got -5"),
-                            (dict(batch=0), "batch must be a positive integer, got 0")):
+                            (dict(batch=0), "batch must be a positive integer, got 0"),
+                            # budget -5 priced each layer's kv_len at -5: 2144 FLOPs, less than the weights' 2464
+                            (dict(budget=-5), "budget must be a positive integer, got -5"),
+                            (dict(budget=0), "budget must be a positive integer, got 0"),
+                            (dict(budget=2.5), "budget must be a positive integer, got 2.5")):
         with pytest.raises(ValueError, match=f"^{message}$"):
             cost(CONFIG, **dict(dict(context=100, budget=20), **kwargs))
 
