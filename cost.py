@@ -72,6 +72,9 @@ def cost(config, context, budget=None, batch=1, page_size=None, dense_layers=0, 
         check_number("page_size", page_size, 1, DENSE)   # 0 read as no page_size: an eviction policy's price
     if budget is not None:
         check_number("budget", budget, 1, DENSE)         # < 1: a negative kv_len, priced below the weights alone
+    if dense_layers and not page_size:                   # as KVCache: only block top-k keeps layers dense
+        raise ValueError(f"dense_layers={dense_layers} is block top-k's (give its page_size); an evicting cache "
+                         "compresses every layer")
     L, n, n_kv, d, P = shape(config)
     sparse = 0 if budget is None else L - min(dense_layers, L)   # the sparse cache's layers (blocktopk: paged)
     kv = context

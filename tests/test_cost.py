@@ -121,6 +121,14 @@ def test_cost_names_a_bad_context_batch_dense_layers_page_size_or_budget():
             cost(CONFIG, **dict(dict(context=100, budget=20), **kwargs))
 
 
+def test_cost_refuses_dense_layers_for_an_evicting_cache():
+    # dense_layers without page_size priced an evicting cache with dense layers, which KVCache never has (only
+    # block top-k keeps them: kvcache.py)
+    with pytest.raises(ValueError, match="^dense_layers=1 is block top-k's"):
+        cost(CONFIG, 100, 20, dense_layers=1)
+    assert cost(CONFIG, 100, 4, page_size=4, dense_layers=1)["flops"] > cost(CONFIG, 100, 4, page_size=4)["flops"]
+
+
 def test_a_blocktopk_budget_that_covers_the_context_still_scores_its_pages():
     # KVCache scores every page at every decode step whatever the budget (a schedule's dense bin: DENSE), and
     # attends them all: it was priced as a dense model (budget None), the page scoring left out. By hand, 100
