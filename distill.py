@@ -173,36 +173,44 @@ class LoRA(nn.Module):
 
 # ----------------------------------------------------------------------------- the sparse training forward
 
-def sparse_masks(rollouts):
-    """Per layer, what each query of the training forward may see: [N, H_kv, L, L] bool, L = max P + T.
+class SparseMasks:
+    """What each query of the training forward may see: `masks[layer]` is that layer's [N, H_kv, L, L]
+    bool, L = max P + T, built when the layer's attention asks for it and dropped after it (all layers
+    at once would hold layers x H_kv x L^2 bools a row: ~4 GB at Qwen3-1.7B, 28 layers, L ~4300).
 
     The training forward lays each row out as prompt + response with natural positions (as
     `correction.response_logprobs` does), so a key's coordinate is its position. A prompt query
     saw what the prefill saw (causal); the query at coordinate P_i + t - 1 predicted response token
     t, at the step that fed token t - 1: it sees the positions `rollouts.kept` recorded for that step.
     """
-    if rollouts.kept is None:
-        raise ValueError("the sparse forward needs what the sampler kept: generate(..., record=True)")
-    N, T = rollouts.tokens.shape
-    L = max(map(len, rollouts.prompts)) + T
-    device = rollouts.kept[0].device
-    lengths = torch.tensor([len(p) for p in rollouts.prompts], device=device)
-    coord = torch.arange(L, device=device)
-    step = (coord[None] - lengths[:, None] + 1).clamp(min=0, max=rollouts.kept[0].shape[0] - 1)   # [N, L]
-    causal = coord[:, None] >= coord[None]                               # [L, L]: key j at or before query i
-    masks = []
-    for kept in rollouts.kept:                                           # [steps, N, H_kv, S]
-        seen = kept[step, torch.arange(N, device=device)[:, None]].transpose(1, 2)   # [N, H_kv, L, S]
+
+    def __init__(self, rollouts):
+        if rollouts.kept is None:
+            raise ValueError("the sparse forward needs what the sampler kept: generate(..., record=True)")
+        N, T = rollouts.tokens.shape
+        self.kept, self.L = rollouts.kept, max(map(len, rollouts.prompts)) + T
+        device = self.kept[0].device
+        lengths = torch.tensor([len(p) for p in rollouts.prompts], device=device)
+        coord = torch.arange(self.L, device=device)
+        self.step = (coord[None] - lengths[:, None] + 1).clamp(min=0, max=self.kept[0].shape[0] - 1)   # [N, L]
+        self.row = torch.arange(N, device=device)[:, None]                                           # [N, 1]
+        self.causal = coord[:, None] >= coord[None]                        # [L, L]: key j at or before query i
+
+    def __getitem__(self, layer):
+        L, device = self.L, self.causal.device
+        seen = self.kept[layer][self.step, self.row].transpose(1, 2)       # [steps, N, H_kv, S] -> [N, H_kv, L, S]
         rows = torch.zeros(*seen.shape[:3], L + 1, dtype=torch.bool, device=device)
         rows.scatter_(-1, torch.where(seen < 0, L, seen.clamp(max=L)), True)          # column L: "nothing"
-        masks.append((rows[..., :L] & causal) | torch.eye(L, dtype=torch.bool, device=device))
-    return masks
+        return (rows[..., :L] & self.causal) | torch.eye(L, dtype=torch.bool, device=device)
 
 
 def masked_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                              layer_masks=None, sliding_window=None, **kwargs):
     """transformers attention function "sparse_masked": SDPA under this layer's [N, H_kv, L, L] mask.
 
+    query [N, H, L, D], key and value [N, H_kv, L, D]. Each KV head with its G = H / H_kv query heads is
+    one batch entry of SDPA, [N * H_kv, G, L, D] against [N * H_kv, 1, L, D] and the mask [N * H_kv, 1, L, L],
+    broadcast over the G heads: neither the mask nor K, V are copied G times (query head h uses KV head h // G).
     Every query also sees its own key (the sampler always kept it), so no row is all masked:
     padding rows stay finite and carry no gradient into the loss.
     """
@@ -210,10 +218,13 @@ def masked_attention_forward(module, query, key, value, attention_mask, scaling=
     if sliding_window is not None:                                       # Mistral: as the sampler's mask
         coord = torch.arange(mask.shape[-1], device=mask.device)
         mask = mask & (coord[None] > coord[:, None] - sliding_window)
-    G = query.shape[1] // key.shape[1]
-    out = F.scaled_dot_product_attention(query, key.repeat_interleave(G, 1), value.repeat_interleave(G, 1),
-                                         attn_mask=mask.repeat_interleave(G, 1), scale=scaling)
-    return out.transpose(1, 2), None
+    (N, H, L, D), H_kv = query.shape, key.shape[1]
+    G = H // H_kv
+    # expanded, not repeated: G heads of stride 0 (SDPA's fused kernels want as many K, V heads as query heads)
+    group = lambda x: x.reshape(N * H_kv, 1, L, D).expand(-1, G, -1, -1)
+    out = F.scaled_dot_product_attention(query.reshape(N * H_kv, G, L, D), group(key), group(value),
+                                         attn_mask=mask.reshape(N * H_kv, 1, L, L), scale=scaling)
+    return out.reshape(N, H, L, D).transpose(1, 2), None
 
 
 AttentionInterface.register("sparse_masked", masked_attention_forward)
@@ -222,7 +233,7 @@ AttentionInterface.register("sparse_masked", masked_attention_forward)
 def sparse_logprobs(model, rollouts, temperature=1.0):
     """log-probs [N, T] of the sampled tokens under the model as it is now (theta + phi when the adapter
     is on), attending to exactly what the sampler's cache let each token see; with grad."""
-    masks = sparse_masks(rollouts)
+    masks = SparseMasks(rollouts)
     previous = model.config._attn_implementation
     model.set_attn_implementation("sparse_masked")
     try:

@@ -422,3 +422,28 @@ def test_a_misshapen_logp_old_is_named_as_logp_old(variant):
                         torch.zeros(2, 3, 1), torch.zeros(2, 3, 1))
     with pytest.raises(ValueError, match=r"^logp_old has shape \(2, 2\), expected \(2, 3\) like logp$"):
         distill.distill_loss(torch.zeros(2, 3), rollouts, torch.zeros(2, 2), torch.ones(2), variant)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])                      # G = 1, 2, 4 query heads per KV head
+def test_the_sparse_forward_builds_one_layers_mask_at_a_time_and_never_repeats_it(kv_heads):
+    # all layers' [N, H_kv, L, L] masks were built before the forward (Qwen3-1.7B, 28 layers, L ~4300: ~4 GB a row),
+    # then repeated over a group's G query heads. Counted: the bool tensors as big as a mask. Values: the sampler's
+    model, events = tiny_model("llama", num_hidden_layers=3, num_key_value_heads=kv_heads), []
+    out = generate(model, PROMPTS, CONFIGS["snapkv"], max_new_tokens=12, seed=3, record=True)
+    size = len(PROMPTS) * kv_heads * (max(map(len, PROMPTS)) + out.tokens.shape[1]) ** 2          # N H_kv L^2
+
+    class Builds(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            t = func(*args, **(kwargs or {}))
+            events.extend([t.numel()] if torch.is_tensor(t) and t.dtype == torch.bool and t.numel() >= size else [])
+            return t
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(lambda *_: events.append("attention"))
+    with Builds():
+        logp = distill.sparse_logprobs(model, out)
+    logp.sum().backward()
+    assert (logp - out.logprobs).abs().max() < 1e-4 and all(p.grad.any() for p in model.parameters())   # grad flows
+    marks = [i for i, e in enumerate(events) if e == "attention"] + [len(events)]
+    per_layer = [events[a + 1:b] for a, b in zip(marks, marks[1:])]   # none before layer 0's, the same in each layer,
+    assert marks[0] == 0 and len(per_layer) == 3 and per_layer[0] == per_layer[1] == per_layer[2] != []
+    assert max(per_layer[0]) < 2 * size                               # and one [N, H_kv, L, L + 1] at most, never G
