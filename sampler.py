@@ -40,8 +40,9 @@ class Rollouts:
     logprobs       [N, T] float  sampler log-prob of each chosen token, under the temperature-scaled
                                  distribution, before top-p: not renormalised over the nucleus (generate)
                                  (0 where mask is 0)
-    topk_logprobs  [N, T, k]     the sampler's k largest log-probs at each step (same distribution)
-    topk_ids       [N, T, k]     their token ids
+    topk_logprobs  [N, T, k]     the sampler's k largest log-probs at each step (same distribution; 0 where
+                                 mask is 0)
+    topk_ids       [N, T, k]     their token ids (`pad_token_id` where mask is 0)
     stats          dict          peak_kv_tokens, peak_kv_bytes, dense_kv_bytes, tokens_per_s, ...
     kept           list or None  with record=True, per layer [T, N, H_kv, S]: the positions each forward
                                  pass attended to (0: the prefill; t: the step that fed response token
@@ -265,8 +266,9 @@ def generate(model, prompts, sparse=None, max_new_tokens=256, temperature=1.0, t
             tokens.append(token)
             masks.append(live)
             logprobs.append(logprob * live)
-            topk_logprobs.append(top_logprobs)
-            topk_ids.append(top_ids)
+            # a row past its EOS decodes padding: nothing to keep (masked_fill, not `* live`: -inf * 0 is NaN)
+            topk_logprobs.append(top_logprobs.masked_fill(done[:, None], 0.0))
+            topk_ids.append(top_ids.masked_fill(done[:, None], pad_token_id))
             if len(ends):
                 done |= (token[:, None] == ends).any(-1)     # not isin: past a few ids it sorts, a sync on a GPU
                 if t % DONE_EVERY == DONE_EVERY - 1 and bool(done.all()):

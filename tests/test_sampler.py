@@ -43,6 +43,25 @@ def test_rows_stop_at_eos_like_hugging_face(step):
     assert (ours.logprobs[ours.mask == 0] == 0).all()
 
 
+def test_after_a_row_ends_its_topk_is_cleared_as_its_logprobs_and_tokens_are():
+    # Rollouts' promise for every per-step field past a row's EOS (mask 0): tokens pad_token_id, logprobs 0, and
+    # likewise topk_logprobs 0 and topk_ids pad_token_id; on live steps the top-k is a dense pass's top-k
+    model = tiny_model("llama")
+    eos = hf_greedy(model, PROMPTS, 24)[0, 2].item()
+    out = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=24, temperature=0, eos_token_id=eos,
+                   pad_token_id=7, logprobs_topk=4)
+    ended = out.mask == 0
+    assert ended.any() and (out.tokens[ended] == 7).all()
+    assert (out.topk_logprobs[ended] == 0).all() and (out.topk_ids[ended] == 7).all()
+    for row, prompt in enumerate(PROMPTS):
+        live = int(out.mask[row].sum())
+        ids = prompt + out.tokens[row, :live].tolist()
+        logits = model(torch.tensor([ids])).logits[0, len(prompt) - 1: len(ids) - 1].float()
+        top = logits.log_softmax(-1).topk(4)
+        assert torch.equal(out.topk_ids[row, :live], top.indices)
+        assert torch.allclose(out.topk_logprobs[row, :live], top.values, atol=1e-4)
+
+
 @pytest.mark.parametrize("policy, interval", [
     ("streaming", 2), ("h2o", 2), ("snapkv", 2), ("rkv", 2), ("random", 2), ("snapkv", 1), ("h2o", 5)])
 def test_eviction_equals_masking(policy, interval):
