@@ -362,6 +362,13 @@ class KVCache(Cache):
             self.history[layer_idx].append(key_pos.clone())
         return out
 
+    def drop_buffers(self):
+        """After the last step: free every layer's keys, values, remembered queries and page sums (the memory sized
+        by the head dim), keeping positions (`Layer.pos`), H2O's `acc`, `history` and the counters. A recorded
+        rollout hands its cache on for the history (sampler.generate), and the rollouts outlive the training step."""
+        for layer in self.layers:
+            layer.k_buf = layer.v_buf = layer.queries = layer.page_sum = None
+
     def get_seq_length(self, layer_idx=0):
         """The tokens fed before the step `start_step` announced, padding included (the model numbers its tokens
         from here when no position_ids come); not the slots held, which a compression lowers."""

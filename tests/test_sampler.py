@@ -1,13 +1,16 @@
 """The sampler against Hugging Face `generate`, a dense forward pass and a masked dense pass; and proof that
 no decode step reads a device value on the host (the host runs ahead of a GPU)."""
+import gc
 import warnings
+import weakref
 
 import numpy as np
 import pytest
 import torch
 
+import kvcache
 import sampler
-from kvcache import SparseConfig
+from kvcache import KVCache, SparseConfig
 from reference import HostReads, full_forward_logprobs, hf_greedy, masked_dense_logprobs, tiny_model
 from sampler import generate, sample_token
 
@@ -406,3 +409,39 @@ def test_top_p_samples_from_the_nucleus_but_records_the_whole_distributions_log_
     assert torch.allclose(out.logprobs[0], dense, atol=1e-4)
     nucleus = dense - (probs * inside).sum(-1).log()                    # renormalised: what was drawn with
     assert (nucleus - dense).max() > 0.1
+
+
+@pytest.mark.parametrize("captured", [False, True])
+@pytest.mark.parametrize("policy", ["snapkv", "blocktopk"])
+def test_a_recorded_rollout_keeps_its_history_but_frees_the_buffers(monkeypatch, policy, captured):
+    # record=True (every --distill step) returns the cache in stats["cache"] for its history, which the rollouts
+    # carry through the training step: its key, value, query and page buffers must be gone by then (no
+    # reference left), the history and counters kept (equal to what a run without the cleanup recorded)
+    buffers = []   # weak references to every buffer a layer made
+
+    class Watched(kvcache.Layer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made = self.k_buf, self.v_buf, getattr(self, "page_sum", None)
+            buffers.extend(weakref.ref(t) for t in made if t is not None)
+
+        def remember(self, *args):
+            super().remember(*args)
+            buffers.append(weakref.ref(self.queries))
+
+    monkeypatch.setattr(kvcache, "Layer", Watched)
+    sparse = SparseConfig("snapkv", budget=8, interval=3, window=2, sink=2) if policy == "snapkv" else \
+        SparseConfig("blocktopk", budget=4, page_size=4, dense_layers=1)
+    run = lambda: generate(tiny_model("llama"), [list(range(1, 14)), [3, 4, 5]], sparse, max_new_tokens=20,
+                           temperature=1.0, record=True, captured=captured)
+    out = run()
+    assert len(buffers) >= 4
+    gc.collect()
+    assert all(ref() is None for ref in buffers)
+    with monkeypatch.context() as keep:
+        keep.setattr(KVCache, "drop_buffers", lambda self: None)
+        kept = run().stats["cache"]
+    cache = out.stats["cache"]
+    lists = lambda history: [[step.tolist() for step in layer] for layer in history]
+    assert lists(cache.history) == lists(kept.history)
+    assert cache.attended_tokens == kept.attended_tokens and cache.compressions == kept.compressions
