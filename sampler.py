@@ -67,7 +67,10 @@ class Rollouts:
         index = torch.as_tensor(index)
         if index.dtype == torch.bool:   # a mask [F, T, T], made long, would pick the rows [0, 1, 1]
             raise ValueError("select takes row numbers, not a mask: select(mask.nonzero()[:, 0])")
-        index = index.long()
+        N, integral = len(self), not (index.is_floating_point() or index.is_complex())   # .long() would cut 0.5 to 0
+        if index.dim() != 1 or index.numel() and not (integral and -N <= index.min() <= index.max() < N):
+            raise ValueError(f"select takes a list or 1-D tensor of row numbers in [-{N}, {N}), got {index!r:.80}")
+        index = index.long()                # [] comes as an empty float tensor
         rows = lambda t: t[index.to(t.device)]
         kept = None if self.kept is None else [k[:, index.to(k.device)] for k in self.kept]
         return Rollouts([self.prompts[i] for i in index.tolist()], rows(self.tokens), rows(self.mask),
