@@ -251,9 +251,9 @@ class KVCache(Cache):
     if due, then attend) once per layer. Stats: `kv_tokens`, `peak_kv_tokens`, `peak_kv_bytes`,
     `dense_kv_tokens` (what a full cache would hold), `compressions`.
     With `record=True`, `history[layer][step]` holds the kept positions [B, H_kv, S] each step
-    attended over (tests rebuild the same attention from it with a dense masked pass), and
-    `attended_tokens`, per decode step, the tokens attended per layer, row and KV head (mean), counted
-    from `history` when asked: counting while decoding would read the device once per layer and step.
+    attended over, a copy on the device (a count would read the device once per layer and step);
+    `sampler.generate` stacks it into `Rollouts.kept`, from which tests rebuild the same attention with a
+    dense masked pass.
     """
 
     def __init__(self, sparse, num_layers, max_new_tokens, seed=0, record=False):
@@ -362,13 +362,6 @@ class KVCache(Cache):
             self.history[layer_idx].append(key_pos.clone())
         return out
 
-    def drop_buffers(self):
-        """After the last step: free every layer's keys, values, remembered queries and page sums (the memory sized
-        by the head dim), keeping positions (`Layer.pos`), H2O's `acc`, `history` and the counters. A recorded
-        rollout hands its cache on for the history (sampler.generate), and the rollouts outlive the training step."""
-        for layer in self.layers:
-            layer.k_buf = layer.v_buf = layer.queries = layer.page_sum = None
-
     def get_seq_length(self, layer_idx=0):
         """The tokens fed before the step `start_step` announced, padding included (the model numbers its tokens
         from here when no position_ids come); not the slots held, which a compression lowers."""
@@ -378,10 +371,3 @@ class KVCache(Cache):
     kv_tokens = property(lambda self: self.layers[0].size if self.layers else 0)
     peak_kv_bytes = property(lambda self: self.peak_kv_tokens * self.bytes_per_slot)
     dense_kv_bytes = property(lambda self: self.dense_kv_tokens * self.bytes_per_slot)
-
-    @property
-    def attended_tokens(self):
-        """With record=True: per decode step, the tokens attended per layer, row and KV head (mean); one read."""
-        steps = [torch.stack([(seen >= 0).sum(-1).float().mean() for seen in layer[1:]]) for layer in self.history
-                 if len(layer) > 1]                                  # layer[0] is the prefill
-        return (sum(steps) / self.num_layers).tolist() if steps else []

@@ -232,8 +232,8 @@ def generate(model, prompts, sparse=None, max_new_tokens=256, temperature=1.0, t
     each token from the nucleus, but the log-probs recorded (`logprobs`, `topk_logprobs`) stay those of the whole
     temperature-scaled distribution, not renormalised over the nucleus: what a dense re-scoring at that temperature
     gives, not the probability the token was drawn with (train.py samples with top_p 1, where the two agree).
-    Reproducible per `seed`. With `record=True`, `kept` holds what each step attended and `stats["cache"]` is the
-    cache, for its `history` and counters: its key and value buffers freed (`KVCache.drop_buffers`).
+    Reproducible per `seed`. With `record=True`, `kept` holds what each step attended (the cache, its buffers and
+    its own `history`, is freed on return: the rollouts live on through the training step).
     `captured=True` decodes through `static.StaticCache`, whose step keeps its shapes: replayed from a
     CUDA graph on a GPU, run as is elsewhere; the same tokens, log-probs within rounding (static.py).
     Returns `Rollouts` with T = the steps up to the last row's EOS (or max_new_tokens); the cache's
@@ -292,8 +292,6 @@ def generate(model, prompts, sparse=None, max_new_tokens=256, temperature=1.0, t
                  compressions=cache.compressions)
     kept = None
     if record:
-        cache.drop_buffers()                # the rollouts carry it through the training step for its history alone
-        stats["cache"] = cache
         padded = lambda steps: [F.pad(s, (0, max(s.shape[-1] for s in steps) - s.shape[-1]), value=-1) for s in steps]
         kept = [torch.stack(padded(layer[:T])) for layer in cache.history]
     columns = lambda steps: torch.stack(steps[:T], 1)

@@ -5,6 +5,7 @@
   per-KV-head attention mask hides exactly what the sparse cache had evicted at each step.
 - `simulate_cache`: eviction for one prompt with Python loops, from explicit Q, K, V, written from
   docs/method.md's description of the authors' batch-1 code (not from kvcache.py).
+- `caches_passed`: the caches a rollout passed to the model, for a test to read after it.
 - `HostReads`: records the ops that read a device value on the host, what a CUDA graph cannot capture.
 """
 import math
@@ -13,6 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (AttentionInterface, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+from kvcache import CACHE_ARG   # the forward's name for the cache (transformers 5.x renamed it)
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
          "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
@@ -65,6 +68,15 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def caches_passed(model):
+    """A list that collects every cache the sampler passes to `model`'s forward: a test reads one after the
+    rollout (generate keeps none)."""
+    caches = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: caches.append(kwargs[CACHE_ARG]),
+                                    with_kwargs=True)
+    return caches
+
+
 def hf_greedy(model, prompts, max_new_tokens, pad_token_id=0, eos_token_id=None):
     """Hugging Face `generate(do_sample=False)` on a left-padded batch -> new tokens [N, T]."""
     P = max(len(p) for p in prompts)
@@ -105,11 +117,11 @@ AttentionInterface.register("masked_reference", _masked_eager)
 def masked_dense_logprobs(model, rollouts, temperature=1.0):
     """Recompute a sparse rollout densely, hiding at each step exactly what the cache had evicted.
 
-    Needs `rollouts.stats["cache"].history` (generate with record=True). Returns [N, T].
+    Needs `rollouts.kept` (generate with record=True). Returns [N, T].
     Coordinates: the left-padded prompt occupies [0, P); response token t sits at P + t.
     Step 0 is the prefill (queries 0..P-1); step s >= 1 feeds response token s - 1.
     """
-    history = [[kept.cpu() for kept in layer] for layer in rollouts.stats["cache"].history]
+    history = [list(layer.cpu()) for layer in rollouts.kept]          # per layer, per step [N, H_kv, S]
     tokens = rollouts.tokens.cpu()
     N, T = tokens.shape
     P = max(len(p) for p in rollouts.prompts)

@@ -66,7 +66,7 @@ def test_every_policy_runs_in_bf16_within_its_budget(policy, captured):
     assert out.stats["peak_kv_bytes"] == out.stats["peak_kv_tokens"] * per_token
     if policy in EVICTING:
         assert out.stats["peak_kv_tokens"] <= sparse.budget + sparse.interval
-        kept = torch.stack([(step >= 0).sum(-1) for step in out.stats["cache"].history[0][1:]])
+        kept = (out.kept[0][1:] >= 0).sum(-1)                        # [steps, N, H_kv] held at each decode step
         assert kept.max() <= sparse.budget + sparse.interval
 
 

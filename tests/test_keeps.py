@@ -91,10 +91,10 @@ def test_counts_the_layers_and_heads_that_hold_each_position(tmp_path, capsys):
     sparse = SparseConfig("snapkv", 10, 2, 2, 2)
     prompt = "S" + "31415926" + "="
     kept, tokens = keeps.kept_fractions(model, tokenizer, prompt, sparse, 10)
-    # the same from the cache's own history, by hand: a position counts where a (layer, head) holds it
+    # the same from what the sampler recorded, by hand: a position counts where a (layer, head) holds it
     out = keeps.generate(model, [keeps.encode_prompt(tokenizer, prompt)], sparse, 10, temperature=0,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, record=True)
-    history = out.stats["cache"].history
+    history = out.kept                                                   # per layer [steps, 1, H_kv, S]
     for step in range(kept.shape[0]):
         for position in range(kept.shape[1]):
             held = [position in layer[step][0, h].tolist() for layer in history for h in range(layer[step].shape[1])]

@@ -8,7 +8,7 @@ import kvcache
 import static
 from hook import sparse_attention
 from kvcache import KVCache, SparseConfig
-from reference import full_forward_logprobs, masked_dense_logprobs, simulate_cache, tiny_model
+from reference import caches_passed, full_forward_logprobs, masked_dense_logprobs, simulate_cache, tiny_model
 from sampler import generate
 from schedule import Schedule
 
@@ -142,9 +142,8 @@ def test_kept_tokens_stay_within_budget_plus_interval():
     model = tiny_model("llama")
     out = generate(model, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4, 5]], sparse,
                    max_new_tokens=40, temperature=1.0, record=True)
-    cache = out.stats["cache"]
     tokens = torch.stack([torch.tensor([[int((s[b, h] >= 0).sum()) for h in range(H_KV)] for b in range(2)])
-                          for s in cache.history[0]])                 # [steps, B, H_kv] valid kept tokens
+                          for s in out.kept[0]])                      # [steps, B, H_kv] valid kept tokens
     assert tokens.max() <= sparse.budget + sparse.interval
     assert out.stats["peak_kv_tokens"] <= sparse.budget + sparse.interval
     # right after a row compresses it holds exactly `budget` tokens
@@ -164,9 +163,8 @@ def test_blocktopk_equals_masking_and_keeps_the_reserved_pages():
     assert torch.allclose(out.logprobs, masked_dense_logprobs(model, out), atol=1e-4)
     dense = torch.stack([full_forward_logprobs(model, p, out.tokens[i].tolist()) for i, p in enumerate(prompts)])
     assert (out.logprobs - dense).abs().max() > 1e-2                   # the pages really changed something
-    cache = out.stats["cache"]
     assert out.stats["peak_kv_tokens"] == out.stats["dense_kv_tokens"]  # nothing is evicted
-    last = cache.history[1][-1]                                         # [B, H_kv, S] attended positions
+    last = out.kept[1][-1]                                              # [B, H_kv, S] attended positions
     for b, length in enumerate(len(p) + 29 for p in prompts):
         for h in range(H_KV):
             seen = set(last[b, h][last[b, h] >= 0].tolist())
@@ -174,9 +172,9 @@ def test_blocktopk_equals_masking_and_keeps_the_reserved_pages():
             newest = (length - 1) // 4
             assert {0, newest - 1, newest} <= pages and len(pages) == 2 + 3   # 8 // 4 top pages + 3 reserved
             assert all(set(range(4 * p, min(4 * p + 4, length))) <= seen for p in pages)  # whole pages
-    assert (cache.history[0][-1] >= 0).sum(-1).tolist() == [[49, 49], [32, 32]]        # the dense layer
+    assert (out.kept[0][-1] >= 0).sum(-1).tolist() == [[49, 49], [32, 32]]             # the dense layer
     # per row: 4 (first page) + 8 (top pages) + newest two pages (row 0: 4 + 1, row 1: 4 + 4) -> 17, 20
-    assert cache.attended_tokens[-1] == ((49 + 32) / 2 + (17 + 20) / 2) / 2
+    assert (out.kept[1][-1] >= 0).sum(-1).tolist() == [[17, 17], [20, 20]]
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "blocktopk"])
@@ -199,8 +197,8 @@ def test_recording_reads_nothing_back_while_decoding(monkeypatch, policy):
         counts.append(len(reads))
     assert counts[0] == counts[1]
     monkeypatch.undo()
-    attended = out.stats["cache"].attended_tokens                       # counted once, at the end
-    assert len(attended) == 29 and all(0 < a <= 9 + 29 for a in attended)
+    held = (out.kept[0][1:] >= 0).sum(-1)                              # [29 decode steps, 2, H_kv]: all recorded
+    assert held.shape[0] == 29 and 0 < held.min() and held.max() <= 9 + 29
 
 
 @pytest.mark.parametrize("captured", [False, True])
@@ -350,16 +348,16 @@ def test_a_cache_is_named_as_the_tables_print_it():
     assert SparseConfig("rkv", schedule=Schedule((0, 64), (16, None))).name == "rkv, scheduled budget"
 
 
-def test_under_bf16_autocast_the_cache_holds_bf16_at_half_the_bytes(monkeypatch):
+def test_under_bf16_autocast_the_cache_holds_bf16_at_half_the_bytes():
     # fp32 weights under bf16 autocast (train.py --dtype bfloat16): rotary makes the keys fp32, the values are bf16;
     # the cache stores both in bf16, what attention reads, and counts 2 bytes a value (the fp32 run's half)
     model, prompts = tiny_model("llama"), [[5, 9, 3, 7], [4, 17]]
     sparse = SparseConfig("snapkv", budget=8, interval=3, window=2, sink=2, kernel=3)
-    fp32 = generate(model, prompts, sparse, max_new_tokens=12, temperature=0, record=True)
-    monkeypatch.setattr(KVCache, "drop_buffers", lambda self: None)   # the buffers are read here, after the rollout
+    fp32 = generate(model, prompts, sparse, max_new_tokens=12, temperature=0)
+    caches = caches_passed(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        bf16 = generate(model, prompts, sparse, max_new_tokens=12, temperature=0, record=True)
-    layer = bf16.stats["cache"].layers[0]
+        bf16 = generate(model, prompts, sparse, max_new_tokens=12, temperature=0)
+    layer = caches[-1].layers[0]
     assert layer.k_buf.dtype == layer.v_buf.dtype == torch.bfloat16
     assert bf16.stats["peak_kv_tokens"] == fp32.stats["peak_kv_tokens"]
     assert 2 * bf16.stats["peak_kv_bytes"] == fp32.stats["peak_kv_bytes"]
@@ -475,10 +473,10 @@ def test_buffers_hold_what_the_cache_can_reach_before_compressing():
     dense_bin = SparseConfig("snapkv", interval=4, window=2, sink=2, schedule=Schedule((0, 16), (8, None)))
     assert KVCache(dense_bin, 1, max_new_tokens=40).capacity(3) == 43
     # a rollout's buffers are allocated once at that size and never grow: 13-token prompt, 40 new tokens
-    sparse = SparseConfig("snapkv", budget=10, interval=4, window=2, sink=2)
-    out = generate(tiny_model("llama"), [list(range(1, 14)), [3, 4, 5]], sparse, max_new_tokens=40, temperature=1.0,
-                   record=True)
-    assert [layer.pos_buf.shape[2] for layer in out.stats["cache"].layers] == [14, 14]   # k_buf's slots, kept
+    sparse, model = SparseConfig("snapkv", budget=10, interval=4, window=2, sink=2), tiny_model("llama")
+    caches = caches_passed(model)
+    generate(model, [list(range(1, 14)), [3, 4, 5]], sparse, max_new_tokens=40, temperature=1.0)
+    assert [(layer.k_buf.shape[2], layer.pos_buf.shape[2]) for layer in caches[-1].layers] == [(14, 14)] * 2
 
 
 

@@ -244,8 +244,7 @@ def test_a_schedule_sets_the_budget_of_each_compression(model):
     schedule = piecewise([0, 24], [6, 12])
     out = generate(model, PROMPTS[-2:], SparseConfig(**{**vars(SPARSE), "schedule": schedule}),
                    max_new_tokens=20, record=True)
-    cache = out.stats["cache"]
-    kept = [(s[:, 0] >= 0).sum(-1) for s in cache.history[0]]           # [B] valid kept tokens per step
+    kept = [(s[:, 0] >= 0).sum(-1) for s in out.kept[0]]                # [B] valid kept tokens per step
     for step in range(1, len(kept) - 1):
         for b, prompt in enumerate(PROMPTS[-2:]):
             if kept[step + 1][b] < kept[step][b]:                         # compressed at step + 1
