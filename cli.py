@@ -318,8 +318,12 @@ def check_args(args):
                   veto=(args.correction != "sparse-rl", "--correction sparse-rl"),
                   cap=(args.correction == "none", "--correction tis or sparse-rl"),
                   distill_lambda=(args.distill != "ppo-kl", "--distill ppo-kl"),
-                  lora_rank=(args.distill == "off", "--distill"), lora_lr_scale=(args.distill == "off", "--distill"))
-    defaults = vars(parse_args([]))                   # the parser's own: none of these six depends on the preset
+                  lora_rank=(args.distill == "off", "--distill"), lora_lr_scale=(args.distill == "off", "--distill"),
+                  page_size=(args.policy != "blocktopk", "--policy blocktopk"),
+                  dense_layers=(args.policy != "blocktopk", "--policy blocktopk"))
+    # the parser's own; the pages' are the preset's: the toy's (4, 1) without --model, else Sparrow's (16, 2)
+    pages = TOY_TASKS[args.task] if args.model is None else PAPER
+    defaults = vars(parse_args([])) | dict(page_size=pages["page_size"], dense_layers=pages["dense_layers"])
     for name, (unused, needs) in unread.items():
         if args.steps > 0 and unused and getattr(args, name) != defaults[name]:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: only {needs} reads it (leave it out)")

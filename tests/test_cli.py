@@ -201,6 +201,10 @@ def test_evaluate_only_takes_temperature_0():
     (["--distill-lambda", "5"], "--distill-lambda 5.0: only --distill ppo-kl reads it"),
     (["--lora-rank", "4"], "--lora-rank 4: only --distill reads it"),
     (["--lora-lr-scale", "3"], "--lora-lr-scale 3.0: only --distill reads it"),
+    # pages are block top-k's alone (was: ignored, silently, by every other policy)
+    (["--page-size", "8"], "--page-size 8: only --policy blocktopk reads it"),
+    (["--model", "m", "--policy", "h2o", "--dense-layers", "4"], "--dense-layers 4: only --policy blocktopk reads it"),
+    (["--model", "smollm2-135m", "--page-size", "4"], "--page-size 4: only --policy blocktopk reads it"),
 ])
 def test_a_training_flag_no_other_setting_reads_is_refused_not_ignored(argv, message):
     # each trained as if left out, with no word (--distill kl --distill-lambda 5: the KL at weight 1, as its help says)
@@ -214,7 +218,11 @@ def test_the_flags_a_run_does_not_read_pass_at_their_defaults_and_where_read():
     for argv in (["--correction", "none"], ["--correction", "tis", "--cap", "3"], ["--keep", "4", "--downsample",
                  "random"], ["--distill", "ppo-kl", "--distill-lambda", "5", "--lora-rank", "4", "--lora-lr-scale",
                  "3"], ["--distill", "kl", "--lora-rank", "4"], ["--veto", "0.01", "--cap", "3"],
-                 ["--steps", "0", "--correction", "none", "--cap", "3", "--downsample", "random", "--lora-rank", "4"]):
+                 ["--steps", "0", "--correction", "none", "--cap", "3", "--downsample", "random", "--lora-rank", "4"],
+                 # the pages' defaults are the preset's: toy pages of 4 and 1 dense layer, 16 and 2 for a --model
+                 ["--task", "sort", "--policy", "full"], ["--model", "smollm2-135m"], ["--model", "m", "--policy", "h2o"],
+                 ["--policy", "blocktopk", "--page-size", "8", "--dense-layers", "0"],
+                 ["--steps", "0", "--eval-policies", "h2o", "--page-size", "8"]):
         assert cli.check_args(cli.parse_args(argv)) is None, argv
 
 
