@@ -64,7 +64,13 @@ def preset(argv):
     p.add_argument("--data")
     p.add_argument("--device")
     p.add_argument("--task", default="pick")                          # a bad name: the full parser says so
-    known, _ = p.parse_known_args(argv)
+    def defer(message):   # as does a bad command line, with its usage and every flag an abbreviation could mean
+        raise argparse.ArgumentError(None, message)
+    p.error = defer
+    try:
+        known, _ = p.parse_known_args(argv)
+    except argparse.ArgumentError:
+        known = argparse.Namespace(model=None, data=None, device=None, task="pick")
     task = known.task if known.task in TASKS else "pick"
     digits = dict(digits=task_digits(task))   # a --model on a toy task (no --data) plays it at its own lengths too
     if known.model is None and known.data is None:

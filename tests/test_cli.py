@@ -284,3 +284,18 @@ def test_eval_budgets_with_only_the_full_cache_are_refused_not_ignored(argv):
                                 "(it keeps everything): name a sparse one in --eval-policies")
     assert cli.check_args(cli.parse_args(["--steps", "0", "--eval-budgets", "8", "--eval-policies", "full",
                                           "snapkv"])) is None
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--d", "x"], "ambiguous option: --d could match --data, --digits, --dense-layers, --downsample, --distill, "
+                   "--distill-lambda, --device, --dtype"),
+    (["--model"], "argument --model: expected one argument"),
+])
+def test_a_bad_command_line_is_told_by_the_full_parser_not_the_presets(argv, error, capsys):
+    # the preset's parser (4 flags) said it first: "usage: train.py [--model MODEL] [--data DATA] [--device DEVICE]
+    # [--task TASK]", as if those were every flag, and "--d could match --data, --device"
+    with pytest.raises(SystemExit):
+        cli.parse_args(argv)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].endswith("[--flag value ...]   (--help: every flag, with the value it will take)")
+    assert err[1].endswith("error: " + error)
