@@ -281,6 +281,9 @@ def check_args(args):
         raise ValueError("--temperature 0 samples greedily: a prompt's rollouts are all the same and GRPO has no "
                          "signal; training needs a temperature > 0")
     C.check_band(*args.band)
+    if not args.band[0] <= 1 <= args.band[1]:                          # rho 1 outside: every agreeing token dropped
+        raise ValueError(f"--band LOW HIGH must hold rho 1, where sampler and re-scoring agree (Sparse-RL's 0.5 1.5), "
+                         f"got {args.band[0]} {args.band[1]}")
     if args.group_size < 2:
         raise ValueError(f"--group-size must be >= 2 (GRPO compares rollouts of one prompt), got {args.group_size}")
     if not 2 <= args.keep <= args.group_size:   # one kept rollout has no group to compare with: advantage 0

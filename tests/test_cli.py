@@ -275,6 +275,17 @@ def test_a_veto_of_1_or_more_is_refused_not_every_response_vetoed():
                                 "1e-4), got 10000.0")
 
 
+@pytest.mark.parametrize("band", [["0", "0.9"], ["1.1", "2"]])
+def test_a_band_without_rho_1_is_refused_not_every_token_dropped(band):
+    # --band 0 0.9 left out every token where sampler and re-scoring agree (rho 1): with --policy full all of them,
+    # so the loss had no token and the weights never moved, as --veto 1e4 did
+    with pytest.raises(ValueError) as error:
+        cli.check_args(cli.parse_args(["--band", *band]))
+    assert str(error.value) == ("--band LOW HIGH must hold rho 1, where sampler and re-scoring agree (Sparse-RL's 0.5 "
+                                f"1.5), got {float(band[0])} {float(band[1])}")
+    assert cli.check_args(cli.parse_args(["--band", "1", "2"])) is None
+
+
 @pytest.mark.parametrize("argv", [["--policy", "full"], ["--eval-policies", "full"]])
 def test_eval_budgets_with_only_the_full_cache_are_refused_not_ignored(argv):
     # evaluate.py --policy full --eval-budgets 8 12 printed the dense row alone: the budgets silently dropped
