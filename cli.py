@@ -152,7 +152,8 @@ def parse_args(argv=None, description=TRAIN_HELP, hide=()):
                    "unnormalised min(rho, 3)); none: naive sparse training")
     g.add_argument("--veto", type=float, default=1e-4, help="a response with any rho below this leaves the loss")
     g.add_argument("--band", type=float, nargs=2, default=[0.5, 1.5], metavar=("LOW", "HIGH"),
-                   help="tokens with rho outside [LOW, HIGH] leave the loss")
+                   help="with --correction sparse-rl, tokens with rho outside [LOW, HIGH] leave the loss; in every "
+                   "run their share is the metric out_of_band")
     g.add_argument("--cap", type=float, default=1.5, help="importance weights min(rho, cap), divided by their batch mean")
     g = p.add_argument_group("GRPO and down-sampling")
     g.add_argument("--prompts", type=int, default=d["prompts"], help="prompts per step (smollm2-135m: 2; "

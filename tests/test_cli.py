@@ -275,6 +275,17 @@ def test_a_veto_of_1_or_more_is_refused_not_every_response_vetoed():
                                 "1e-4), got 10000.0")
 
 
+def test_the_band_help_says_only_sparse_rl_drops_tokens(capsys):
+    # train.rl_step applies the band's rejection under --correction sparse-rl alone; tis and none keep every token
+    # and read the band only for the out_of_band metric. The help said "tokens ... leave the loss", for every run
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    band = text[text.index("--band LOW HIGH"):text.index("--cap CAP")]
+    assert band.startswith("--band LOW HIGH with --correction sparse-rl, tokens with rho outside [LOW, HIGH] leave the "
+                           "loss; in every run their share is the metric out_of_band")
+
+
 @pytest.mark.parametrize("band", [["0", "0.9"], ["1.1", "2"]])
 def test_a_band_without_rho_1_is_refused_not_every_token_dropped(band):
     # --band 0 0.9 left out every token where sampler and re-scoring agree (rho 1): with --policy full all of them,
