@@ -262,10 +262,12 @@ def check_out_file(path, what="a file name", prefix=False):
 def check_args(args):
     """Every bad value is one clear error line, before any model is built."""
     check_values(args, unchecked=("seed", "budget", "eval_budgets"))   # budgets: SparseConfig's, up to DENSE
-    check_least(args, 1, ["budget", "interval", "window", "bin_size", "max_new_tokens", "prompts", "ppo_epochs",
-                          "micro_batch", "eval_every", "eval_size", "save_every", "lora_rank", "threads", "minibatch"],
+    check_least(args, 1, ["budget", "interval", "window", "page_size", "bin_size", "max_new_tokens", "prompts",
+                          "ppo_epochs", "micro_batch", "eval_every", "eval_size", "save_every", "lora_rank", "threads",
+                          "minibatch"],
                 notes=dict(threads="or left out: chosen by model size", minibatch="or left out: all rollouts"))
-    check_least(args, 0, ["steps", "warmup_steps", "veto", "kl", "temperature", "seed", "distill_lambda"])
+    check_least(args, 0, ["steps", "warmup_steps", "sink", "dense_layers", "veto", "kl", "temperature", "seed",
+                          "distill_lambda"])
     for name in ["lr", "clip", "cap", "lora_lr_scale"]:
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")

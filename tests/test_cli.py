@@ -165,6 +165,9 @@ def test_unknown_task_or_policy_is_refused_by_the_parser(argv, capsys):
     (["--budget", "0"], "--budget must be >= 1, got 0"),
     (["--bin-size", "0"], "--bin-size must be >= 1, got 0"),
     (["--eval-size", "0"], "--eval-size must be >= 1, got 0"),
+    (["--page-size", "0"], "^error: --page-size must be >= 1, got 0$"),         # was: "page_size must be a positive
+    (["--sink", "-1"], "^error: --sink must be >= 0, got -1$"),                 # integer, got 0", SparseConfig's
+    (["--dense-layers", "-1"], "^error: --dense-layers must be >= 0, got -1$"),  # name of it
     # the toy task's flags beside --data: were ignored, silently (a numeric reward, whatever --reward said)
     (["--model", "smollm2-135m", "--data", "d.jsonl", "--reward", "exact"], "^error: --reward exact: for the toy task "
      "only; --data brings its own prompts, its answers scored by tasks.numeric_reward \\(leave it out\\)$"),
