@@ -223,7 +223,8 @@ def test_the_flags_a_run_does_not_read_pass_at_their_defaults_and_where_read():
                  "3"], ["--distill", "kl", "--lora-rank", "4"], ["--veto", "0.01", "--cap", "3"],
                  ["--steps", "0", "--correction", "none", "--cap", "3", "--downsample", "random", "--lora-rank", "4"],
                  # the pages' defaults are the preset's: toy pages of 4 and 1 dense layer, 16 and 2 for a --model
-                 ["--task", "sort", "--policy", "full"], ["--model", "smollm2-135m"], ["--model", "m", "--policy", "h2o"],
+                 ["--task", "sort", "--policy", "full"], ["--model", "smollm2-135m"],
+                 ["--model", "m", "--policy", "h2o"],
                  ["--policy", "blocktopk", "--page-size", "8", "--dense-layers", "0"],
                  ["--steps", "0", "--eval-policies", "h2o", "--page-size", "8"]):
         assert cli.check_args(cli.parse_args(argv)) is None, argv
