@@ -101,7 +101,9 @@ def load_model(args, device):
         torch.manual_seed(args.seed)
         model = toy_model(tokenizer).to(device)
         # checked here too, not only after loading as every model is: before the warm-up's long computation
-        check_length(longest_prompt(args, None, None, tokenizer), args.max_new_tokens, model.config)
+        longest = longest_prompt(args, None, None, tokenizer)
+        check_length(longest, args.max_new_tokens, model.config)
+        check_fits(args, model, longest)
         warm_up(model, tokenizer, args.task, args.warmup_steps, args.digits)
         save_atomically(cached, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp),
                                              (tmp / "warmup.json").write_text(json.dumps(settings))))

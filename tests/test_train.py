@@ -175,6 +175,16 @@ def test_a_cached_warm_up_still_refuses_a_response_past_the_positions(tmp_path, 
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--policy", "blocktopk", "--dense-layers", "2"], "^error: --dense-layers 2: the model has 2 layers"),
+    (["--budget", "40"], "^error: --budget 40: the longest rollout holds at most")])
+def test_a_flag_the_toy_model_cannot_honour_is_refused_before_its_warm_up(tmp_path, monkeypatch, flags, message):
+    # on a fresh --out these were refused after the warm-up had run (~40 s), by main's check_fits
+    monkeypatch.setattr(train, "warm_up", lambda *a, **k: pytest.fail("warmed up first"))
+    with pytest.raises(SystemExit, match=message):
+        train.main(SMALL + ["--out", str(tmp_path / "run")] + flags)
+
+
 @pytest.mark.parametrize("name, text, message", [
     ("bad.jsonl", '{"question": "1+1?", "answer": "#### 2"}\n{"question": oops}\n', "bad.jsonl.*line 2"),
     ("small.jsonl", "".join('{"question": "1+%d?", "answer": "#### %d"}\n' % (i, i + 1) for i in range(10)),
