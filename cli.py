@@ -119,11 +119,11 @@ def parse_args(argv=None, description=TRAIN_HELP, hide=()):
     g.add_argument("--digits", type=int, nargs=2, default=d["digits"], metavar=("MIN", "MAX"),
                    help="digits per toy prompt (pick 3 6, at most 10; sort, reverse 12 20)")
     g.add_argument("--warmup-steps", type=int, default=d["warmup_steps"], help="supervised steps for the toy model "
-                   "(pick 100, sort 400; 0: none)")
+                   "(pick 100, sort, reverse 400; 0: none)")
     g = p.add_argument_group("sparse rollout (kvcache.py)")
     g.add_argument("--policy", default="snapkv", choices=POLICIES, help="KV eviction policy of the sampler")
     g.add_argument("--budget", type=int, default=d["budget"], help="tokens kept per layer and KV head "
-                   "(pick 12, sort 24, smollm2-135m 128, else 512; blocktopk evicts nothing: tokens attended, "
+                   "(pick 12, sort, reverse 24, smollm2-135m 128, else 512; blocktopk evicts nothing: tokens attended, "
                    "budget // page-size pages plus the first and the 2 newest)")
     g.add_argument("--interval", type=int, default=d["interval"], help="compress every N tokens over budget "
                    "(toy 4, smollm2-135m 32, else 128)")
@@ -144,8 +144,8 @@ def parse_args(argv=None, description=TRAIN_HELP, hide=()):
     g.add_argument("--bin-size", type=int, default=d["bin_size"], help="tokens per length bin of the tail metrics "
                    "and the controller (toy 16, smollm2-135m 64, else 128)")
     g.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"], help="response length limit "
-                   "(pick 12, sort 24, smollm2-135m 128 on its arithmetic data, 256 with --data or --device cuda, "
-                   "else 512); with the longest prompt it must fit the model's positions (toy: 128)")
+                   "(pick 12, sort, reverse 24, smollm2-135m 128 on its arithmetic data, 256 with --data or --device "
+                   "cuda, else 512); with the longest prompt it must fit the model's positions (toy: 128)")
     g = p.add_argument_group("correction (correction.py)")
     g.add_argument("--correction", default="sparse-rl", choices=["sparse-rl", "tis", "none"],
                    help="sparse-rl: rejection + weights; tis: Sparse-RL's weights without rejection (not Sparrow's "
