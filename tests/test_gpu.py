@@ -11,9 +11,11 @@ import os
 import pytest
 import torch
 
+import distill
 import sampler
 import schedule
 import static
+import test_distill
 import test_policies
 import train
 from correction import dense_logprobs
@@ -124,6 +126,20 @@ def test_captured_graph_equals_eager_in_fp32(monkeypatch, policy, span):
 def test_a_rows_pages_do_not_depend_on_its_batch_mates_on_the_device(dtype):
     # CUDA's sort and topk are other kernels than the CPU's: block top-k's tie rule (a stable sort) checked there
     test_policies.test_a_rows_pages_do_not_depend_on_its_batch_mates(dtype, DEVICE)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "blocktopk"])
+def test_the_sparse_training_forward_reproduces_the_sampler_on_the_device(policy):
+    # --distill's forward: SDPA under one mask per KV head, its K and V expanded over the group's query heads, not
+    # copied (distill.masked_attention_forward); in fp32 it must give the sampler's log-probs, and gradients to phi
+    model = tiny_model("qwen3").to(DEVICE)
+    lora = test_distill.moved_adapter(model)
+    with lora.on():
+        out = generate(model, PROMPTS, sparse_config(policy), max_new_tokens=24, temperature=1.0, seed=3, record=True)
+        logp = distill.sparse_logprobs(model, out)
+        (logp * out.mask).sum().backward()
+    assert ((logp - out.logprobs) * out.mask).abs().max() < 1e-4
+    assert all(b.grad is not None and b.grad.abs().sum() > 0 for b in lora.B.values())
 
 
 def test_dense_logprobs_equal_the_samplers_with_a_full_cache():
