@@ -177,37 +177,44 @@ def _dot(a, b):
     return float(a.double() @ b.double())
 
 
-def simulate_cache(sparse, q, k, v, prompt_len, scaling):
+def simulate_cache(sparse, q, k, v, prompt_len, scaling, sliding_window=None):
     """Eviction for ONE prompt, re-done with Python loops over heads and tokens from explicit tensors.
 
     q [H, L, D], k, v [H_kv, L, D]: token c sits at position c; the first `prompt_len` tokens are the
     prefill (kept whole), then one token per step. Returns, per step, the kept positions of each KV
-    head (sorted lists), and the attention outputs [H, L, D] (float64).
+    head (sorted lists), and the attention outputs [H, L, D] (float64). `sliding_window`: a query at c
+    sees the keys after c - sliding_window only, and a compression first drops the keys no query sees again.
     """
+
+    def sees(c, s):   # whether a query at position c may attend the key at position s
+        return s <= c and (sliding_window is None or s > c - sliding_window)
+
     H, L, D = q.shape
     H_kv = k.shape[0]
     G = H // H_kv
     out = torch.zeros(H, L, D, dtype=torch.float64)
     kept = [[] for _ in range(H_kv)]
     received = [{} for _ in range(H_kv)]                                # H2O: attention each key received
-    steps = []
+    steps, slots = [], 0     # slots a row holds: its kept keys, and the holes of keys out of the window
     for step, new in enumerate([list(range(prompt_len))] + [[c] for c in range(prompt_len, L)]):
-        held = len(kept[0]) + len(new)
-        due = sparse.policy != "full" and step > 0 and held > sparse.budget and held - sparse.budget >= sparse.interval
+        slots += len(new)
+        due = sparse.policy != "full" and step > 0 and slots > sparse.budget and slots - sparse.budget >= sparse.interval
+        slots = sparse.budget if due else slots     # a compression keeps `budget` slots: holes where too few keys are left
         for h in range(H_kv):
             kept[h] = kept[h] + new
             received[h].update({c: 0.0 for c in new})
             if due:
                 newest = kept[h][-1]
+                kept[h] = [c for c in kept[h] if sees(newest, c)]               # out of the window: gone for good
                 window = [c for c in kept[h] if c > newest - sparse.window]
                 before = [c for c in kept[h] if c <= newest - sparse.window]
-                score = _scores(sparse, q, k, h, G, kept[h], before, window, received[h], scaling)
+                score = _scores(sparse, q, k, h, G, kept[h], before, window, received[h], scaling, sees)
                 best = sorted(range(len(before)), key=lambda i: -score[i])[: sparse.budget - len(window)]
                 kept[h] = sorted([before[i] for i in best] + window)
             for g in range(G):                                           # this step's queries attend
                 head = h * G + g
                 for c in new:
-                    seen = [s for s in kept[h] if s <= c]
+                    seen = [s for s in kept[h] if sees(c, s)]
                     w = _softmax([_dot(q[head, c], k[h, s]) * scaling for s in seen])
                     out[head, c] = sum(wi * v[h, s].double() for wi, s in zip(w, seen))
                     for wi, s in zip(w, seen):
@@ -216,8 +223,9 @@ def simulate_cache(sparse, q, k, v, prompt_len, scaling):
     return steps, out
 
 
-def _scores(sparse, q, k, h, G, kept, before, window, received, scaling):
-    """One KV head's score for each key in `before` (the kept keys before the observation window)."""
+def _scores(sparse, q, k, h, G, kept, before, window, received, scaling, sees):
+    """One KV head's score for each key in `before` (the kept keys before the observation window);
+    `sees(c, s)`: whether a query at c may attend the key at s."""
     if sparse.policy == "streaming":
         return [math.inf if c < sparse.sink else float(c) for c in before]
     if sparse.policy == "h2o":
@@ -228,7 +236,7 @@ def _scores(sparse, q, k, h, G, kept, before, window, received, scaling):
         attention = {c: 0.0 for c in before}
         for g in range(G):
             for w in window:
-                seen = [s for s in kept if s <= w]
+                seen = [s for s in kept if sees(w, s)]
                 for s, p in zip(seen, _softmax([_dot(q[h * G + g, w], k[h, s]) * scaling for s in seen])):
                     if s in attention:
                         attention[s] += p / G
