@@ -126,7 +126,8 @@ class Layer:
                                    (`KVCache.remembering`), the last `window` queries at every compression;
                                    query_pos [B, W] their positions
     holes         bool             whether any kept slot is invalid (pos -1); if not, a decode
-                                   step needs no attention mask at all
+                                   step needs no attention mask at all (under a sliding window every
+                                   step masks, and the holes `compress` leaves there go uncounted)
     page_sum      [B, H_kv, n, D]  blocktopk only: running sum of each page's keys, page_count [B, n]
                                    its tokens (nothing is evicted, so slot = left padding + position)
     Valid slots stay in position order (holes may sit between them).
@@ -217,22 +218,35 @@ class Layer:
 
 # ----------------------------------------------------------------------------- compression
 
-def compress(layer, sparse, rows, salt, count, n, scaling):
+def compress(layer, sparse, rows, salt, count, n, scaling, sliding_window=None):
     """Score the slots of the `rows` [b] that are due with the policy, and keep `count` [B] tokens in every
     row (n = max count, a host int): the due rows their best, padding first out and the `window` always
     in; the others all their tokens. Only the due rows are scored: rows fall due on different steps.
     `salt` [b]: the due rows' (seed, layer, context), for `random`. Tensors on the cache's device.
-    `scaling`: the layer's attention scale, for SnapKV's and R-KV's window logits."""
+    `scaling`: the layer's attention scale, for SnapKV's and R-KV's window logits. `sliding_window`: the
+    layer's (Mistral-style, as `hook.visible` applies it; None: none), past which a due row's keys go."""
     scores = torch.where(layer.pos >= 0, float("inf"), float("-inf"))
     remembered, acc = layer.queries is not None, layer.acc      # queries: SnapKV and R-KV only; acc: H2O only
-    due = Rows(layer.keys[rows], layer.pos[rows], None if acc is None else acc[rows],
+    pos = layer.pos[rows]                                                           # [b, H_kv, S]
+    if sliding_window is not None:
+        # A key at or before newest - sliding_window is out of the compressing query's window (`hook.visible`:
+        # a query at p sees keys > p - sliding_window), and out of every later, newer query's: it is never
+        # attended again. Every scorer sees it as a hole, and it goes, as Hugging Face's sliding-window cache
+        # (`DynamicSlidingWindowLayer`) drops it; its slot goes to a key a query can still see. This also
+        # masks, in SnapKV's and R-KV's window softmax, the keys an older window query at qp no longer sees
+        # (kp <= qp - sliding_window <= newest - sliding_window), as that query's attention did.
+        pos = pos.masked_fill(pos <= pos.amax(-1, keepdim=True) - sliding_window, -1)
+    due = Rows(layer.keys[rows], pos, None if acc is None else acc[rows],
                layer.queries[rows] if remembered else None, layer.query_pos[rows] if remembered else None,
                scaling, salt)
     recent = due.pos > due.pos.amax(-1, keepdim=True) - sparse.window   # ~policies.before_window in 3 launches, not 7
     with torch.autocast(scores.device.type, enabled=False):   # fp32 scores: bf16 autocast would round them into ties
         scored = SCORERS[sparse.policy](due, sparse).masked_fill(recent, float("inf"))
         scores[rows] = scored.masked_fill(due.pos < 0, float("-inf"))          # the window stays, padding and holes go
-    layer.keep(*keep_indices(scores, count, n))
+    index, kept = keep_indices(scores, count, n)
+    if sliding_window is not None:   # `count` counts slots: where fewer keys are left in the window, holes fill them
+        kept &= scores.gather(-1, index) > float("-inf")   # (`layer.holes` need not know: a sliding window masks)
+    layer.keep(index, kept)
 
 
 def to_device(host, device):
@@ -344,7 +358,7 @@ class KVCache(Cache):
             layer.ring = (layer.ring + 1) % sparse.window   # in the slots every-step writing (static.py) gives them
         if self.compressing:
             rows, salt, count = self.compress_args
-            compress(layer, sparse, rows, salt + layer_idx * 65_537, count, self.keep_n, scaling)
+            compress(layer, sparse, rows, salt + layer_idx * 65_537, count, self.keep_n, scaling, sliding_window)
             layer.holes = self.holes_after
         # A decode step over real earlier tokens only sees every slot: no mask to build or apply.
         masked = not self.decoding or layer.holes or sliding_window is not None

@@ -5,7 +5,8 @@ sections 2 and 3). Pure functions of tensors; `kvcache.py` holds the cache that 
   the b rows of a layer that compress at this step. StreamingLLM, H2O, SnapKV, R-KV and random are
   five small functions; a new policy is one function in SCORERS and its name in `kvcache.POLICIES`.
   Only the scores of real tokens before the window are read: `kvcache.compress` then sets the window to
-  +inf and padding and holes (pos -1) to -inf, so what a scorer gives those slots never matters.
+  +inf and padding and holes (pos -1) to -inf, so what a scorer gives those slots never matters. Under a
+  sliding window, the keys no query sees again come to a scorer as holes too (`kvcache.compress`).
 - SnapKV and R-KV score as their authors' code does (one prompt, no padding): window attention to the
   keys before the observation window, pooled along those keys only. A padded or evicted slot is no
   token's neighbour (`pool`), so a row's choice never depends on the other prompts of its batch.

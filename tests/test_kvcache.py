@@ -28,16 +28,16 @@ def random_steps(prompt_lens=LENGTHS, new_tokens=24, seed=0):
     return q, k, v, pos, P
 
 
-def run_cache(sparse, q, k, v, pos, P, seed=0, layers=1):
+def run_cache(sparse, q, k, v, pos, P, seed=0, layers=1, sliding_window=None):
     """Feed the tensors through KVCache exactly as the model would (the same Q, K, V in each of `layers`
-    layers); -> cache, layer 0's outputs [B, H, L, D]."""
+    layers, under the model's `sliding_window`); -> cache, layer 0's outputs [B, H, L, D]."""
     cache = KVCache(sparse, num_layers=layers, max_new_tokens=q.shape[2] - P, seed=seed, record=True)
     outs = []
     for cols in [slice(0, P)] + [slice(c, c + 1) for c in range(P, q.shape[2])]:
         cache.start_step(pos[:, cols])
         for layer in range(layers):
             cache.update(k[:, :, cols], v[:, :, cols], layer)
-            out = cache.attend(layer, q[:, :, cols], scaling=D ** -0.5)
+            out = cache.attend(layer, q[:, :, cols], scaling=D ** -0.5, sliding_window=sliding_window)
             outs += [out] if layer == 0 else []
     return cache, torch.cat(outs, dim=2)
 
@@ -48,16 +48,16 @@ def kept_positions(cache):
              for b in range(step.shape[0])] for step in cache.history[0]]
 
 
-def check_against_one_prompt_reference(sparse, lengths=LENGTHS, new_tokens=24):
+def check_against_one_prompt_reference(sparse, lengths=LENGTHS, new_tokens=24, sliding_window=None):
     """Each row of a left-padded batch keeps, step by step, what `simulate_cache` keeps for its prompt alone,
     and attends to the same outputs. -> the cache."""
     q, k, v, pos, P = random_steps(lengths, new_tokens)
-    cache, out = run_cache(sparse, q, k, v, pos, P)
+    cache, out = run_cache(sparse, q, k, v, pos, P, sliding_window=sliding_window)
     steps = kept_positions(cache)
     for b in range(len(lengths)):
         real = pos[b] >= 0
         ref_steps, ref_out = simulate_cache(sparse, q[b][:, real], k[b][:, real], v[b][:, real], lengths[b],
-                                            scaling=D ** -0.5)
+                                            scaling=D ** -0.5, sliding_window=sliding_window)
         assert [step[b] for step in steps] == ref_steps, f"row {b}"
         assert torch.allclose(out[b][:, real].double(), ref_out, atol=1e-5)
     return cache
@@ -86,6 +86,34 @@ def test_budget_window_and_sink_edges_keep_what_the_one_prompt_reference_keeps(p
     sparse = SparseConfig(policy, budget=budget, interval=interval, window=window, sink=sink, kernel=3)
     cache = check_against_one_prompt_reference(sparse, lengths=lengths, new_tokens=14)
     assert cache.compressions >= 3
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "rkv"])
+@pytest.mark.parametrize("sliding_window", [6, 9])
+def test_a_sliding_window_scores_only_keys_a_query_still_sees(policy, sliding_window):
+    # Mistral-style: a query at p sees keys > p - sliding_window. A key at or before newest - sliding_window is
+    # seen by no later query, so a compression drops it; SnapKV's window softmax hides from each window query the
+    # keys it no longer sees. Window 6 < budget 7: fewer keys than the budget are left, holes fill the rest.
+    sparse = SparseConfig(policy, budget=7, interval=3, window=3, sink=2, kernel=3)
+    cache = check_against_one_prompt_reference(sparse, sliding_window=sliding_window)
+    assert cache.compressions > 3
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "rkv", "random"])
+def test_a_sliding_window_model_keeps_only_keys_its_queries_still_see(policy):
+    # a tiny Mistral whose window (8) the prompts pass; interval 1: every decode step compresses, so every one
+    # attends only keys after its position - 8. Keeping an older one (a sink, an old heavy hitter) spent budget on
+    # a key no query reads again. And eviction still equals masking.
+    model = tiny_model("mistral", sliding_window=8)
+    prompts = [list(range(1, 14)), list(range(3, 13)), list(range(5, 17))]
+    sparse = SparseConfig(policy, budget=6, interval=1, window=2, sink=2, kernel=3)
+    out = generate(model, prompts, sparse, max_new_tokens=12, record=True)
+    for layer in out.kept:                                              # [T, N, H_kv, S] positions attended
+        for t, step in enumerate(layer[1:], start=1):
+            now = torch.tensor([len(p) - 1 + t for p in prompts])[:, None, None]   # the query's position
+            assert ((step < 0) | (step > now - 8)).all(), f"step {t}"
+            assert ((step >= 0).sum(-1) == 6).all()                        # the budget, all of it in the window
+    assert torch.allclose(out.logprobs, masked_dense_logprobs(model, out), atol=1e-4)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "rkv"])
