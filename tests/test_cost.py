@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+import cost as cost_module
 from cost import QWEN3, cost, kv_bytes, shape, speedup
 from kvcache import CACHE_ARG, DENSE
 from reference import tiny_model
@@ -156,3 +157,43 @@ def test_shape_refuses_a_family_whose_mlp_is_not_gated(family):
     for gated in (transformers.LlamaConfig(), transformers.MistralConfig(), transformers.Qwen2Config(),
                   transformers.Qwen3Config()):
         assert shape(gated) == shape(gated.to_dict())
+
+
+def test_the_defaults_are_bf16_bytes_one_row_and_the_h100_balance():
+    # Pins the defaults every caller leans on (bench.py's memory check, schedule.py's --speedup table): bf16, 2 bytes
+    # a value; one row; the H100's 989 TFLOP/s bf16 over 3.35 TB/s of HBM, ~295 FLOPs a byte. Every other test
+    # passes them explicitly or compares cost with cost, so a default of 4 bytes, batch 2 or intensity 295 passed.
+    assert kv_bytes(CONFIG, 10) == 2 * 2 * 1 * 4 * 10 * 2                   # K and V, 2 layers, 1 kv head, dim 4: 320
+    assert cost_module.H100_INTENSITY == pytest.approx(295.22388, rel=1e-6)
+    # by hand: both layers read 20 tokens; 2 * 1232 + 4 * 2 * 4 * 40 FLOPs, 2 bytes * (1232 + 2 * 1 * 4 * 40)
+    c = cost(CONFIG, 100, 20)
+    assert (c["flops"], c["bytes"]) == (3744, 3104)
+    assert c["cost"] == pytest.approx(3744 + 989e12 / 3.35e12 * 3104, rel=1e-12)
+
+
+def test_speedup_prices_dense_as_a_model_without_a_cache_and_steps_every_64_tokens_by_default():
+    # Pins speedup's dense baseline: a dense model (budget None), which scores no page, not a blocktopk cache at
+    # budget DENSE (which does); and its default stride, 64: the steps at contexts 1, 65, 129, 193 of 200.
+    # Reference: the brute-force sums of cost over those steps.
+    kw = dict(page_size=4, dense_layers=1)
+    brute = sum(cost(CONFIG, c, None)["cost"] for c in range(1, 101)) / \
+        sum(cost(CONFIG, c, 8, **kw)["cost"] for c in range(1, 101))
+    assert speedup(CONFIG, constant(8), 100, stride=1, **kw) == pytest.approx(brute, rel=1e-12)
+    brute = sum(cost(CONFIG, c, None)["cost"] for c in (1, 65, 129, 193)) / \
+        sum(cost(CONFIG, c, min(c, 8))["cost"] for c in (1, 65, 129, 193))
+    assert speedup(CONFIG, constant(8), 200) == pytest.approx(brute, rel=1e-12)
+
+
+def test_speedup_table_prices_each_qwen3_shape_at_the_batch_and_pages_given():
+    # Pins what `schedule.py --speedup` prints: each cell is speedup() of that Qwen3 shape at the table's batch and
+    # blocktopk pages (a table that dropped batch or pages printed batch 1 or eviction prices under their heading),
+    # and Sparrow's reported row is docs/method.md section 6's 2.2x, 2.4x, 2.0x
+    pages = dict(page_size=16, dense_layers=2)
+    table = cost_module.speedup_table([("c256", constant(256))], 4096, 8, "blocktopk", **pages)
+    cells = [f"{speedup(QWEN3[n], constant(256), 4096, batch=8, **pages):.2f}x" for n in ("Qwen3-1.7B", "Qwen3-4B",
+                                                                                          "Qwen3-8B")]
+    assert cells != [f"{speedup(QWEN3[n], constant(256), 4096, **pages):.2f}x" for n in QWEN3]      # batch matters
+    assert cells != [f"{speedup(QWEN3[n], constant(256), 4096, batch=8):.2f}x" for n in QWEN3]      # pages matter
+    assert f"| c256 | {' | '.join(cells)} |" in table.splitlines()
+    assert "| Sparrow reported (block top-k, threshold 0.86) | 2.2x | 2.4x | 2.0x |" in table.splitlines()
+    assert "blocktopk, 4096 tokens decoded at batch 8" in table
