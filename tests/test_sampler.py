@@ -267,6 +267,8 @@ def test_bfloat16_runs_close_to_float32():
     ([[1, 2]], dict(eos_token_id=[3, False]), "eos_token_id must be .*, got \\[3, False\\]"),
     ([[1, 2]], dict(pad_token_id=True), "pad_token_id must be a token id in \\[0, 64\\), got True"),
     ([[1, 2]], dict(eos_token_id=torch.tensor([3, 4])), "eos_token_id must be .*, got tensor\\(\\[3, 4\\]\\)"),
+    # a 0-d bool tensor is no id 1, as True is not (pins integer's dtype check: operator.index takes tensor(True))
+    ([[1, 2]], dict(eos_token_id=torch.tensor(True)), "eos_token_id must be .*, got tensor\\(True\\)"),
     ([[1, 2]], dict(top_p=0.0), "top_p must lie in \\(0, 1\\], got 0.0"),
     ([[1, 2]], dict(top_p=1.5), "top_p must lie in \\(0, 1\\], got 1.5"),
     ([[1, 2]], dict(temperature=None), "temperature must be 0 .*, got None"),   # were a
@@ -442,3 +444,65 @@ def test_a_recorded_rollout_frees_the_cache_and_keeps_what_it_attended(monkeypat
     gc.collect()
     assert len(buffers) >= 6 and all(ref() is None for ref in buffers)
     assert len(out.kept) == 2 and out.kept[0].shape[:3] == (20, 2, 2) and (out.kept[0][-1] >= 0).any()
+
+
+def test_an_eos_id_of_0_or_a_tuple_of_ids_ends_rows_like_hugging_face():
+    # end_ids: 0 is a token id like any other (a truthiness test, `not eos_token_id`, would read it as no EOS and run
+    # every row to max_new_tokens), and a tuple of ids is a list of them (not one id, refused). Token 0 is made an end
+    # token the model emits: its embedding and output rows are swapped with those of a token row 0 emits at step 3,
+    # so the swapped model emits 0 there; the reference is Hugging Face's greedy generate with the same end ids
+    model = tiny_model("llama")
+    swap = hf_greedy(model, PROMPTS, 24)[0, 3].item()
+    with torch.no_grad():
+        for weight in (model.model.embed_tokens.weight, model.lm_head.weight):
+            weight[[0, swap]] = weight[[swap, 0]]
+    prompts = [[{0: swap, swap: 0}.get(t, t) for t in p] for p in PROMPTS]
+    for eos in (0, (0, 63)):
+        theirs = hf_greedy(model, prompts, 24, pad_token_id=7, eos_token_id=list(eos) if isinstance(eos, tuple) else eos)
+        ours = generate(model, prompts, SparseConfig("full"), max_new_tokens=24, temperature=0, eos_token_id=eos,
+                        pad_token_id=7)
+        T = theirs.shape[1]
+        assert (theirs[0] == 0).any() and torch.equal(ours.tokens[:, :T], theirs) and (ours.tokens[:, T:] == 7).all()
+        first = (ours.tokens[0] == 0).nonzero()[0].item()
+        assert ours.mask[0].tolist() == [1.0] * (first + 1) + [0.0] * (ours.tokens.shape[1] - first - 1)
+
+
+def test_select_takes_negative_row_numbers_down_to_minus_n():
+    # select's promise: row numbers in [-N, N), as Python indexes a list; -N is row 0 (a bound `-N < index.min()`
+    # refused it), -1 the last row
+    model = tiny_model("llama")
+    out = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=4, temperature=1.0)
+    part = out.select([-3, -1])
+    assert part.prompts == [PROMPTS[0], PROMPTS[2]] and torch.equal(part.tokens, out.tokens[[0, 2]])
+    assert torch.equal(part.logprobs, out.logprobs[[0, 2]]) and torch.equal(part.topk_ids, out.topk_ids[[0, 2]])
+
+
+def test_the_smallest_temperature_allowed_samples_greedily():
+    # check_args takes temperature == MIN_TEMPERATURE (the bound is inclusive: `>= 1e-06` in its message); at 1e-6
+    # the distribution is the argmax's alone, so the seeded sample equals Hugging Face's greedy decoding
+    model = tiny_model("llama")
+    out = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=16, temperature=sampler.MIN_TEMPERATURE, seed=3)
+    assert torch.equal(out.tokens, hf_greedy(model, PROMPTS, 16))
+
+
+@pytest.mark.parametrize("seed", [-2 ** 63, 2 ** 64 - 1], ids=["lowest", "highest"])
+def test_the_extreme_seeds_are_taken_and_sample_as_torch_seeds_them(seed):
+    # check_args' seed range [-2**63, 2**64) is torch.manual_seed's: both ends are accepted (a bound `-2**63 <`
+    # refused the lowest), and the draw is Hugging Face's sampling from the same seed (one prompt: no padding)
+    model = tiny_model("qwen3")
+    torch.manual_seed(seed)
+    theirs = model.generate(torch.tensor([PROMPTS[0]]), do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                            max_new_tokens=10, min_new_tokens=0, pad_token_id=0, eos_token_id=None)[:, len(PROMPTS[0]):]
+    ours = generate(model, PROMPTS[:1], SparseConfig("full"), max_new_tokens=10, temperature=1.0, seed=seed)
+    assert torch.equal(ours.tokens, theirs)
+
+
+def test_tokens_per_s_counts_the_live_tokens_only():
+    # stats' throughput is the response tokens (mask 1) per second, not the padded [N, T] grid: rows ending at
+    # different steps (EOS: a token row 0 emits at step 2) leave padding that a count of mask.numel() would add
+    model = tiny_model("llama")
+    eos = hf_greedy(model, PROMPTS, 24)[0, 2].item()
+    out = generate(model, PROMPTS, SparseConfig("full"), max_new_tokens=24, temperature=0, eos_token_id=eos)
+    live = int(out.mask.sum())
+    assert live < out.mask.numel() and out.stats["new_tokens"] == live
+    assert out.stats["tokens_per_s"] == pytest.approx(live / out.stats["seconds"], rel=1e-9)
