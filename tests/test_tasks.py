@@ -1,5 +1,6 @@
 """Tests of tasks.py: toy examples, rewards, the character tokenizer, prompt encoding, JSONL loading."""
 import json
+import random
 import re
 from pathlib import Path
 
@@ -131,6 +132,35 @@ def test_reward_of_true_answer_is_1_and_of_corrupted_answers_0(task):
             assert reward(wrong, answer) == 0.0
 
 
+def test_pick_draws_its_letters_from_a_to_p():
+    # the distractors are the 16 letters a..p, every one of them (a letter dropped from PICK_LETTERS went unseen:
+    # the prompt pattern [a-p]* also matches prompts that never use "p")
+    letters = "".join(re.sub(r"[\d=P]", "", e["prompt"][1:]) for e in make_examples("pick", 200, seed=4))
+    assert set(letters) == set("abcdefghijklmnop")
+
+
+def test_examples_neither_read_nor_disturb_the_global_random_state():
+    # make_examples draws from a private generator: seeding the global one (random.seed) and drawing from it would
+    # still give the same examples for the same seed, but would change every random draw the caller makes next
+    random.seed(5)
+    expected = random.random()
+    random.seed(5)
+    first = make_examples("sort", 3, seed=1)
+    assert random.random() == expected
+    random.seed(6)
+    assert make_examples("sort", 3, seed=1) == first
+
+
+def test_held_out_prompts_are_no_training_seeds_prompts():
+    # brute force over the integer seeds of training and warm-up steps around 0: a held-out set seeded with the
+    # run's seed itself, or with -1 - seed (random.Random(-1) is Random(1)), equals one of them
+    trained = {e["prompt"] for s in range(-20, 21) for e in make_examples("sort", 8, seed=s)}
+    for seed in range(4):
+        held = tasks.held_out_examples("sort", 8, seed)
+        assert held == tasks.held_out_examples("sort", 8, seed) != tasks.held_out_examples("sort", 8, seed + 1)
+        assert not {e["prompt"] for e in held} & trained
+
+
 # ---------------------------------------------------------------- tokenizer and encoding
 
 
@@ -148,6 +178,26 @@ def test_char_tokenizer_has_one_token_per_character():
         assert len(ids) == len(text) and tok.unk_token_id not in ids
         assert tok.decode(ids) == text
     assert tok.encode("S1x", add_special_tokens=False)[-1] == tok.unk_token_id
+
+
+def test_token_ids_are_pinned():
+    # the ids a trained toy checkpoint was trained with, written out by hand: special tokens first (pad 0, bos 1,
+    # eos 2, unk 3), then 0-9, "=", "R", "S", "P", a-p in that order; reordering SPECIAL_TOKENS or ALPHABET (bos and
+    # eos swapped, "SR" for "RS") kept every test green but made every saved toy model read other tokens
+    tok = char_tokenizer()
+    assert [tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id] == [0, 1, 2, 3]
+    expected = {c: 4 + i for i, c in enumerate("0123456789")} | {"=": 14, "R": 15, "S": 16, "P": 17}
+    expected |= {c: 18 + i for i, c in enumerate("abcdefghijklmnop")}
+    assert {c: tok.convert_tokens_to_ids(c) for c in expected} == expected
+    assert len(tok) == 34
+
+
+def test_every_character_is_one_token_newlines_included():
+    # one token a character, even for characters outside the alphabet: split by r"[\s\S]", as "." leaves two
+    # newlines in a row one piece, one <unk> for two characters (hand count: S, 1, <unk>, <unk>, <unk>)
+    tok = char_tokenizer()
+    ids = tok.encode("S1\n\nx", add_special_tokens=False)
+    assert ids == tok.convert_tokens_to_ids(["S", "1"]) + [tok.unk_token_id] * 3
 
 
 def test_char_tokenizer_round_trips_through_save_pretrained(tmp_path):
