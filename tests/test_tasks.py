@@ -378,6 +378,18 @@ def test_encode_target_is_the_answer_then_eos():
     ("\\boxed{\\mathbf{3 \\times 4}}", "3", 0.0),             # an operation in bold is still one
     ("\\boxed{\\mathbf{3}\\frac{1}{2}}", "3", 0.0),
     ("\\boxed{\\mathbf{2^{10}}}", "2", 0.0),
+    # cases each of which a mutation of the regexes alone passed (the mutation in brackets)
+    ("\\boxed{1\\dfrac{1}{2}}", "1", 0.0),                     # \\dfrac, \\tfrac are fractions too ([dt]? dropped)
+    ("\\boxed{1\\tfrac{1}{2}}", "1", 0.0),
+    ("#### 1e-3", "1", 0.0),                                  # an exponent with its sign ([+-]? dropped)
+    ("#### 1234,567", "1234567", 0.0),                        # commas after 1 to 3 digits only (\\d{1,4})
+    ("\\boxed{1,}", "1", 0.0),                                # a closing comma inside the braces (the "}" kept)
+    ("#### 3*4*", "34", 0.0),                                 # a product, not emphasis: after a digit (?<!\\d),
+    ("#### *4*5", "45", 0.0),                                 # before one (?!\\d)
+    ("\\boxed{\\textrm{72}}", "72", 1.0),                      # the fonts no case above reads (each dropped)
+    ("\\boxed{\\mathit{72}}", "72", 1.0),
+    ("\\boxed{\\bm{72}}", "72", 1.0),
+    ("#### 72 ####\nthat is all", "72", 1.0),                 # closing hashes end a line, not only the text ((?m))
 ])
 def test_numeric_reward_hand_cases(completion, answer, expected):
     assert numeric_reward(completion, answer) == expected
@@ -461,6 +473,7 @@ GOOD = json.dumps({"question": "q", "answer": "#### 1"})
     ('{"question": "q", "answer": "#### 1,5"}', "not a number"),        # commas group three digits: not 15
     ('{"question": "q", "answer": "#### 12,34"}', "not a number"),
     ('{"question": "q", "answer": "#### 1,,0"}', "not a number"),
+    ('{"question": "q", "answer": "#### 1234,567"}', "not a number"),  # a group of four before a comma
 ])
 def test_malformed_line_names_file_and_line(tmp_path, bad, reason):
     path = write(tmp_path / "bad.jsonl", [GOOD, GOOD, bad, GOOD])
@@ -586,3 +599,20 @@ def test_arithmetic_refuses_what_it_cannot_make(tmp_path):
     with pytest.raises(ValueError, match="asked for test=3000"):
         tasks.write_arithmetic(tmp_path, test=3000)
     assert not list(tmp_path.iterdir())                        # refused before writing anything
+
+
+def test_two_step_takes_the_whole_closed_range(tmp_path):
+    # two_step=1.0 is allowed and gives two-step questions only (a check `two_step < 1.0` refused it), and a share
+    # below 0 is refused (a check of the upper end alone let -0.5 through, as 0)
+    assert {solve_arithmetic(e["prompt"])[1] for e in tasks.make_arithmetic(60, seed=0, two_step=1.0)} == {3, 4}
+    with pytest.raises(ValueError, match="two_step in"):
+        tasks.make_arithmetic(5, seed=0, two_step=-0.5)
+
+
+def test_a_missing_file_of_that_data_set_says_where_to_get_it(tmp_path):
+    # a GSM8K path names the README section that says where to get it; another path does not (the test's name,
+    # which tmp_path holds, leaves "gsm8k" out)
+    with pytest.raises(ValueError, match=r'gsm8k/test.jsonl: no such data file \(GSM8K: README "A real model on your'):
+        load_jsonl(tmp_path / "gsm8k" / "test.jsonl")
+    with pytest.raises(ValueError, match=r"other.jsonl: no such data file$"):
+        load_jsonl(tmp_path / "other.jsonl")
