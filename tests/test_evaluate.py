@@ -1,5 +1,7 @@
 """evaluate.py against references computed another way: Hugging Face's greedy answers one prompt at a time,
 our sampler one batch at a time, the adapter switched on by hand, the exact answers counted by hand."""
+import time
+
 import pytest
 import torch
 
@@ -48,6 +50,18 @@ def test_rewards_read_the_response_tokens_only():
     rollouts = Rollouts([[1], [1]], tokens, mask, torch.zeros(2, 5), torch.zeros(2, 5, 1), torch.zeros(2, 5, 1))
     rewards = evaluate.rewards_of(rollouts, [{"answer": "72"}] * 2, tok, reward_fn("sort"))
     assert rewards.tolist() == [1.0, 1.0] and rewards.dtype == torch.float32
+
+
+def test_rewards_are_floats_whatever_the_reward_returns():
+    # a reward may return a bool or an int (True, 1 for an exact answer): rewards_of still gives float32, which
+    # eval_both averages (torch's mean refuses a tensor of ints or bools: built without float(), it raised there)
+    tok = char_tokenizer()
+    tokens = torch.tensor([[tok.convert_tokens_to_ids("7"), tok.eos_token_id], [tok.convert_tokens_to_ids("2"), 0]])
+    mask = torch.tensor([[1.0, 1], [1, 0]])
+    rollouts = Rollouts([[1], [1]], tokens, mask, torch.zeros(2, 2), torch.zeros(2, 2, 1), torch.zeros(2, 2, 1))
+    for reward in (lambda completion, answer: completion == answer, lambda completion, answer: int(completion == answer)):
+        rewards = evaluate.rewards_of(rollouts, [{"answer": "7"}] * 2, tok, reward)
+        assert rewards.tolist() == [1.0, 0.0] and rewards.dtype == torch.float32
 
 
 def test_accuracy_counts_exact_answers_not_partial_credit():
@@ -246,3 +260,24 @@ def test_evaluate_only_runs_each_cache_once_and_a_full_one_is_the_dense_row(toy,
     assert results["dense"] == pytest.approx(4 / 7)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
     assert len(rows) == 4                                              # header, rule, dense, snapkv
+
+
+def test_evaluate_only_prints_each_accuracy_to_three_decimals(monkeypatch, capsys):
+    # the table as read by hand: the number of prompts in its header, 4/7 = 0.571 and 1/7 = 0.143 (the rewards
+    # stand in for the caches' answers, so that the print alone is checked: '.2f' or the count of caches passed)
+    fixed = {"full": torch.tensor([1.0, 1, 1, 1, 0, 0, 0.5]), "snapkv": torch.tensor([1.0, 0, 0, 0, 0, 0.9, 0])}
+    monkeypatch.setattr(evaluate, "eval_rewards", lambda m, t, examples, r, sparse, *a: fixed[sparse.policy])
+    results = evaluate.evaluate_only(None, None, [{}] * 7, exact_match, [SPARSE], 12)
+    assert results == {"dense": pytest.approx(4 / 7), SPARSE.name: pytest.approx(1 / 7)}
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert rows == ["| cache | greedy accuracy on 7 held-out prompts |", "|---|---|", "| dense | 0.571 |",
+                    f"| {SPARSE.name} | 0.143 |"]
+
+
+def test_run_inference_times_its_own_work(toy):
+    # seconds: the time run_inference took, between two readings of a clock taken around it by hand (not the
+    # clock's reading at the end, nor the start minus the end)
+    model, tokenizer, examples = toy
+    before = time.perf_counter()
+    row = evaluate.run_inference(model, tokenizer, examples[:2], exact_match, SPARSE, 4, 2)
+    assert 0 < row["seconds"] <= time.perf_counter() - before
