@@ -447,3 +447,35 @@ def test_the_sparse_forward_builds_one_layers_mask_at_a_time_and_never_repeats_i
     per_layer = [events[a + 1:b] for a, b in zip(marks, marks[1:])]   # none before layer 0's, the same in each layer,
     assert marks[0] == 0 and len(per_layer) == 3 and per_layer[0] == per_layer[1] == per_layer[2] != []
     assert max(per_layer[0]) < 2 * size                               # and one [N, H_kv, L, L + 1] at most, never G
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_the_masked_attention_scales_by_the_layers_scaling_and_maps_query_head_h_to_kv_head_h_over_g(window):
+    # Pins masked_attention_forward alone: the tiny models' scaling is SDPA's default 1 / sqrt(D), so a dropped
+    # `scale=scaling` (a model with its own scaling, Gemma's query_pre_attn_scalar) passed every sampler test.
+    # Reference: a plain loop, softmax(q_h k_kv^T * scaling) v_kv under the mask, kv = h // G, and with a sliding
+    # window key j visible to query i only where j > i - window (the sampler's rule)
+    g = torch.Generator().manual_seed(0)
+    N, H, H_kv, L, D, scaling = 2, 4, 2, 6, 8, 0.3
+    q, k, v = (torch.randn(N, h, L, D, generator=g) for h in (H, H_kv, H_kv))
+    mask = (torch.rand(N, H_kv, L, L, generator=g) > 0.4) | torch.eye(L, dtype=torch.bool)
+    out, _ = distill.masked_attention_forward(SimpleNamespace(layer_idx=1), q, k, v, None, scaling=scaling,
+                                              layer_masks={1: mask}, sliding_window=window)
+    assert out.shape == (N, L, H, D)
+    for n in range(N):
+        for h in range(H):
+            kv = h // (H // H_kv)
+            for i in range(L):
+                seen = [j for j in range(L) if mask[n, kv, i, j] and (window is None or j > i - window)]
+                weights = torch.softmax(torch.stack([q[n, h, i] @ k[n, kv, j] * scaling for j in seen]), 0)
+                expected = sum(w * v[n, kv, j] for w, j in zip(weights, seen))
+                assert torch.allclose(out[n, i, h], expected, atol=1e-5)
+
+
+def test_an_unknown_distillation_variant_is_refused_by_name():
+    # Pins distill_loss's check: without it a mistyped variant ("KL") silently trained with ppo-kl's loss
+    from sampler import Rollouts
+    rollouts = Rollouts([[1]], torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2), torch.zeros(1, 2),
+                        torch.zeros(1, 2, 1), torch.zeros(1, 2, 1))
+    with pytest.raises(ValueError, match="^the distillation variant must be 'ppo-kl' or 'kl', got 'KL'$"):
+        distill.distill_loss(torch.zeros(1, 2), rollouts, torch.zeros(1, 2), torch.ones(1), "KL")
