@@ -541,3 +541,88 @@ def test_pick_device_refuses_cuda_n_without_that_gpu(monkeypatch):
     with pytest.raises(ValueError, match="^--device cuda:3: torch sees 1 CUDA device\\(s\\), so cuda:0 to cuda:0$"):
         models.pick_device("cuda:3")
     assert models.pick_device("cuda:0") == torch.device("cuda:0")
+
+
+def test_pick_device_refuses_the_gpu_one_past_the_last(monkeypatch):
+    # Pins `>=` in the index check: with one GPU, cuda:1 is one past the last (cuda:0); torch's own error came only
+    # at the first tensor moved there. Two GPUs: cuda:1 is the second, and taken
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="^--device cuda:1: torch sees 1 CUDA device\\(s\\), so cuda:0 to cuda:0$"):
+        models.pick_device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert models.pick_device("cuda:1") == torch.device("cuda:1")
+
+
+def test_toy_settings_refuses_digits_of_three_numbers(tmp_path):
+    # Pins `len(digits) == 2`: [MIN, MAX, x] is no pair, and the settings' readers unpack two
+    (tmp_path / "s.json").write_text('{"task": "pick", "digits": [3, 6, 9]}')
+    with pytest.raises(ValueError, match="digits must be \\[MIN, MAX\\], two integers, got \\[3, 6, 9\\]$"):
+        models.toy_settings(tmp_path, files=("s.json",))
+
+
+def test_a_gguf_copy_whose_tokenizer_names_another_eos_ends_at_its_configs(tmp_path, monkeypatch):
+    # Pins load_pretrained's eos fix for a GGUF source (transformers 5.17 gave SmolLM2's GGUF tokenizer eos
+    # <|im_start|> while its config said <|im_end|>): the tokenizer's eos becomes the config's. A plain folder keeps
+    # its tokenizer's eos. Reference: the config's eos id, written by hand into the cached copy
+    (tmp_path / "m.gguf").write_bytes(b"")
+    monkeypatch.setenv(models.SMOLLM2_GGUF, str(tmp_path / "m.gguf"))
+    key = models.hashlib.sha1(str(tmp_path.resolve() / "m.gguf").encode()).hexdigest()[:8]
+    cached = tmp_path / "cache" / f"m-{key}"
+    tokenizer = tasks.char_tokenizer()
+    model = models.toy_model(tokenizer)
+    model.config.eos_token_id = 5                                       # the tokenizer's eos is 2
+    model.save_pretrained(cached)
+    tokenizer.save_pretrained(cached)
+    assert tokenizer.eos_token_id == 2
+    _, loaded = models.load_pretrained(models.SMOLLM2, cache_dir=tmp_path / "cache")
+    assert loaded.eos_token_id == 5 and loaded.eos_token == tokenizer.convert_ids_to_tokens(5)
+    policy, plain = models.load_pretrained(str(cached))                 # no GGUF source: left as it is
+    assert plain.eos_token_id == 2 and not policy.training             # and in eval mode, as its docstring says
+
+
+def test_warm_up_of_zero_steps_returns_the_random_model_in_eval_mode():
+    # Pins warm_up's steps == 0 branch (--warmup-steps 0): the schedule's (1 - s / steps) would divide by zero
+    tokenizer = tasks.char_tokenizer()
+    torch.manual_seed(0)
+    model = models.toy_model(tokenizer).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert models.warm_up(model, tokenizer, "sort", 0, (4, 8)) is model and not model.training
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_checkpoint_holds_the_adapter_as_adapter_safetensors_and_loads_in_eval_mode(tmp_path):
+    # Pins the adapter's file name in a checkpoint (what --resume and report.py read back) and that a checkpoint's
+    # policy comes back in eval mode. Reference: the adapter's own tensors, bit for bit
+    import distill
+    tokenizer = tasks.char_tokenizer()
+    model = models.toy_model(tokenizer)
+    lora = distill.LoRA(model, 4)
+    with torch.no_grad():
+        for p in lora.B.values():
+            p.normal_(0, 0.05)
+    models.save_checkpoint(tmp_path, 3, model, tokenizer, argparse.Namespace(seed=0), {}, adapter=lora)
+    again = distill.LoRA.from_file(model, tmp_path / "step-000003" / "adapter.safetensors")
+    assert all(torch.equal(p, lora.tensors()[k]) for k, p in again.tensors().items())
+    loaded, state = models.load_checkpoint(tmp_path / "step-000003", "cpu", torch.float32)
+    assert not loaded.training and state == {"step": 3}
+    assert models.checkpoint_args(tmp_path / "step-000003") == {"seed": 0}
+
+
+def test_checkpoint_args_refuses_a_json_that_is_no_object(tmp_path):
+    # Pins checkpoint_args' dict check: an args.json holding a list was read as a run's settings, then failed as
+    # a traceback where its keys were looked up
+    (tmp_path / "args.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="args.json holds a list, not a run's settings \\(a JSON object\\): a damaged "
+                                         "checkpoint: remove "):
+        models.checkpoint_args(tmp_path)
+    (tmp_path / "args.json").write_text("{}")                              # and one that lost its trainer state
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds no trainer_state.pt: a damaged checkpoint: remove "):
+        models.checkpoint_args(tmp_path)
+
+
+def test_save_atomically_makes_the_folders_above_its_target(tmp_path):
+    # Pins the parent's mkdir: the first checkpoint of a run whose --out does not exist yet
+    models.save_atomically(tmp_path / "new" / "out" / "step-000001", lambda tmp: (tmp / "a.txt").write_text("x"))
+    assert (tmp_path / "new" / "out" / "step-000001" / "a.txt").read_text() == "x"
