@@ -118,7 +118,8 @@ def forward_calls(model, at, action, hf=False):
         finally:
             handle.remove()
     else:
-        with patch.object(kvcache.KVCache, "start_step", lambda cache, positions: hook() or start_step(cache, positions)):
+        announced = lambda cache, positions: hook() or start_step(cache, positions)
+        with patch.object(kvcache.KVCache, "start_step", announced):
             yield
 
 

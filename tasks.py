@@ -321,8 +321,8 @@ def numeric_reward(completion, answer):
     Fractions, so no tolerance is needed and none forgives a near miss (1000000001 is not 1000000000, nor is
     10000000000000001 10000000000000000, which are the same float). `answer`: text ("1,080", "−3") or a number.
     """
-    expected = Fraction(str(answer).replace(",", "").replace("−", "-"))   # first: a bad answer fails whatever the
-    # completion; "-": Fraction reads no Unicode minus
+    # parsed first, so that a bad answer fails whatever the completion; "-" for "−", which Fraction cannot read
+    expected = Fraction(str(answer).replace(",", "").replace("−", "-"))
     return float(extract_answer(completion) == expected)    # None (no answer) equals no Fraction
 
 
