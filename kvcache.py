@@ -364,8 +364,11 @@ class KVCache(Cache):
         masked = not self.decoding or layer.holes or sliding_window is not None
         keys, values, key_pos = layer.keys, layer.values, layer.pos
         if layer.page_size and self.decoding:   # block top-k, past the dense layers (`update` gave it its pages)
-            if self.plan_pages is None:
-                self.plan_pages = page_plan(layer.page_count, self.top, self.top_k, layer.pos, sparse.page_size)
+            # the step's first sparse layer makes it, and so does one whose sliding window differs (Qwen2's
+            # `layer_types` may mix full and sliding layers): page_plan drops the pages past the window
+            if self.plan_pages is None or self.plan_pages.window != sliding_window:
+                self.plan_pages = page_plan(layer.page_count, self.top, self.top_k, layer.pos, sparse.page_size,
+                                            self.step_pos, sliding_window)
             index, key_pos = top_pages(layer, query, self.plan_pages, layer.pos)
             (keys, values), masked = layer.gather(index), True
         out, received = attention(query, keys, values, key_pos, self.step_pos, scaling, sliding_window,

@@ -180,9 +180,10 @@ class PagePlan(NamedTuple):
     #                                   reserved pages (the first: the sinks; the 2 newest: the local window)
     chosen: torch.Tensor   # [B, 1, min(k, n)]  bool, the ranks a row attends: its first min(top, pages it has)
     offset: torch.Tensor   # [B, 1, 1, page_size]  the slots of page 0's tokens (left padding + 0 .. page_size-1)
+    window: int = None     # the sliding window it was made for (None: none); a layer with another makes its own
 
 
-def page_plan(count, top, k, pos, page_size):
+def page_plan(count, top, k, pos, page_size, query_pos=None, sliding_window=None):
     """Sparrow block top-k, the part of a decode step's page choice that is the same in every layer.
 
     Every layer holds the same positions, so the same pages exist and are reserved, and a row attends the
@@ -191,21 +192,32 @@ def page_plan(count, top, k, pos, page_size):
     count [B, N]: tokens per page (`Layer.page_count`); top [B]: pages each row attends, the budget's best plus
     the reserved (device); k (host): the ranks gathered, at least min(max(top), the pages pos spans);
     pos [B, H_kv, S]: the positions of the slots a step looks at, -1 where none (the held slots of the eager
-    cache, or static.py's whole buffer). -> PagePlan.
+    cache, or static.py's whole buffer). `sliding_window` (the layer's, as `hook.visible` applies it; None: none)
+    with query_pos [B, 1], the step's positions: the pages wholly before the window are not attended. -> PagePlan.
     """
     n = (pos.shape[-1] - 1) // page_size + 1                            # no position reaches page n yet
     count = count[:, :n]
     pages, exists = torch.arange(n, device=count.device), count > 0
     held = exists.sum(-1, keepdim=True)                                 # [B, 1]: pages fill from 0 up
     reserved = exists & ((pages == 0) | (pages >= held - NEWEST_PAGES))
+    if sliding_window is not None:
+        # A page whose last position, (page + 1) * page_size - 1, is <= query - sliding_window holds no key the
+        # query sees (`hook.visible`), nor any later query: it scores -inf as a page not yet held does, ranks last,
+        # and takes none of the row's `top` ranks, which go to pages the attention sees. Page 0 too, reserved or
+        # not: it is reserved for the attention sinks (StreamingLLM), tokens every query sees, and under a sliding
+        # window none is (Hugging Face's sliding-window cache keeps none either); reserving the oldest page in
+        # the window instead would be a rule of our own. Its rank goes to the best page in view, so a step
+        # still attends `attended_pages` pages where the window holds that many, all of them seen.
+        exists = exists & (pages >= (query_pos - sliding_window + 1) // page_size)     # [B, n]
+        held, reserved = exists.sum(-1, keepdim=True), reserved & exists
     bias = torch.zeros(count.shape, device=count.device).masked_fill(~exists, float("-inf")).masked_fill(
         reserved, float("inf"))
-    # Every page a row has scores finitely (a mean key . query), every page it has not -inf: ranked by score,
+    # Every page a row has (in view) scores finitely (a mean key . query), every other -inf: ranked by score,
     # the ones it has come first, so it attends its first min(top, held) ranks.
     chosen = torch.arange(min(k, n), device=count.device) < torch.minimum(top[:, None], held)
     padding = (pos[:, 0] >= 0).int().argmax(-1)                        # [B] slots before position 0 (the first real)
     offset = padding[:, None] + torch.arange(page_size, device=count.device)
-    return PagePlan(count.clamp(min=1)[:, None], bias[:, None], chosen[:, None], offset[:, None, None])
+    return PagePlan(count.clamp(min=1)[:, None], bias[:, None], chosen[:, None], offset[:, None, None], sliding_window)
 
 
 def top_pages(layer, query, plan, pos):

@@ -132,8 +132,11 @@ class StaticCache(KVCache):
         span = slice(0, self.span)
         keys, values, key_pos = layer.k_buf[:, :, span], layer.v_buf[:, :, span], layer.pos_buf[:, :, span]
         if layer.page_size:                     # block top-k, past the dense layers (`KVCache.update`)
-            if self.plan_pages is None:     # the step's first sparse layer (start_step cleared it): in the graph
-                self.plan_pages = page_plan(layer.page_count, self.pages, self.k_pages, key_pos, sparse.page_size)
+            # in the graph, by the step's first sparse layer (start_step cleared it) or one with another sliding
+            # window (`KVCache.attend`)
+            if self.plan_pages is None or self.plan_pages.window != sliding_window:
+                self.plan_pages = page_plan(layer.page_count, self.pages, self.k_pages, key_pos, sparse.page_size,
+                                            self.now, sliding_window)
             index, key_pos = top_pages(layer, query, self.plan_pages, key_pos)
             keys, values = layer.gather(index)
         out, received = attention(query, keys, values, key_pos, self.now, scaling, sliding_window,

@@ -2,9 +2,11 @@
 import pytest
 import torch
 
+import sampler
 from kvcache import Layer, SparseConfig
-from policies import SCORERS, Rows, keep_indices, page_plan, pool, redundancy, top_pages
-from reference import _pool
+from policies import SCORERS, Rows, attended_pages, keep_indices, page_plan, pool, redundancy, top_pages
+from reference import HostReads, _pool, masked_dense_logprobs, tiny_model
+from sampler import generate
 
 H, H_KV, D = 4, 2, 8
 
@@ -137,3 +139,38 @@ def test_pool_refuses_an_unknown_mode_by_name():
     x, mask = torch.rand(1, 1, 5), torch.ones(1, 1, 5, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"'mean'.*avg.*max"):
         pool(x, mask, 3, "mean")
+
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("mistral", dict(sliding_window=16)),
+    ("qwen2", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=16, max_window_layers=2))],
+    ids=["mistral", "qwen2-full-then-sliding"])
+def test_blocktopk_attends_no_page_past_a_sliding_window(monkeypatch, arch, overrides):
+    # A window of 16 (a query at p sees keys > p - 16, `hook.visible`) passes page 0 (the reserved first page) and
+    # others, mid-rollout for the short prompt: a page whose last position is <= p - 16 is chosen by no step of a
+    # sliding layer (eager or captured), and each step attends attended_pages(4, 4) = 4 pages it can see (of 4 or
+    # 5 in view): the budget spent on what the attention sees. The log-probs are still a dense pass's under the
+    # recorded masks. Qwen2's layer 1 is full, its layer 2 slides: one step, two page plans. Before: the window
+    # was ignored, page 0 stayed reserved, and a step saw 2 or 3 of the 4 pages it paid for. No step reads the device
+    model, reads = tiny_model(arch, **overrides), HostReads()
+    monkeypatch.setattr(sampler, "decode", reads.watch(sampler.decode))
+    windows = [getattr(layer.self_attn, "sliding_window", 16) for layer in model.model.layers]   # Mistral: config's
+    sparse = SparseConfig("blocktopk", budget=4, page_size=4, dense_layers=1)
+    prompts = [list(range(1, 41)), [4, 17, 6, 9, 3]]
+    runs = [generate(model, prompts, sparse, max_new_tokens=30, temperature=1.0, seed=3, record=True,
+                     captured=captured) for captured in (False, True)]
+    for out in runs:
+        assert (masked_dense_logprobs(model, out) - out.logprobs).abs().max() < 1e-5
+        for layer, W in enumerate(windows[1:], 1):
+            for step in range(1, out.tokens.shape[1]):
+                for b, prompt in enumerate(prompts):
+                    query = len(prompt) + step - 1                     # the position step `step` feeds
+                    first = 0 if W is None else max(0, (query - W + 1) // 4)   # the first page with a key > query - W
+                    for head in out.kept[layer][step, b]:
+                        pages = sorted({p // 4 for p in head.tolist() if p >= 0})
+                        assert pages[0] >= first, (layer, step, b, pages, query)
+                        assert len(pages) == min(attended_pages(4, 4), query // 4 + 1 - first), (layer, step, b, pages)
+    assert reads.calls == 2 * 29 and reads.seen == []
+    assert torch.equal(runs[0].tokens, runs[1].tokens)
+    assert (runs[0].logprobs - runs[1].logprobs).abs().max() < 1e-5
