@@ -625,3 +625,135 @@ def test_a_robust_budget_named_twice_is_evaluated_once(runs, tmp_path, monkeypat
     report.main(["runs", *runs, "--robust-budgets", "12", "10", "12", "--out", str(tmp_path / "r")])
     assert planned == [[12, 10]] * len(runs)
     assert tables(capsys.readouterr().out)[0]["variant"][8:11] == ["sparse @ 12", "sparse @ 10", "peak KV vs dense"]
+
+
+def test_a_single_seed_baseline_still_gets_shares_and_three_seeds_are_means(tmp_path):
+    # Pins mean_std: a single seed's std is 0, not nan (a nan std made `first > std` false, so every "of base's
+    # gain" cell of a one-seed baseline was "-"), and the mean is a mean, not a median: other's three seeds end
+    # at 0.6, 0.6, 0.9 -> 0.700 ± sqrt((0.01 + 0.01 + 0.04) / 2) = 0.173 (median 0.600), gains 0.1, 0.1, 0.4 ->
+    # 0.200, 100 % of base's one-seed 0.2 (a median gain would be 50 %)
+    steps = [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in (1, 2, 3)]
+    evals = lambda after: [(0, .5, .5), (3, after, after)]
+    groups = {"base": [report.read_run(write_run(tmp_path / "base-s0", steps, evals(.7)))],
+              "other": [report.read_run(write_run(tmp_path / f"other-s{i}", steps, evals(a)))
+                        for i, a in enumerate((.6, .6, .9))]}
+    rows = {r[0]: r for r in report.comparison_rows(groups)}
+    assert rows["base"][5:9] == ["0.700", "0.700", "0.200", "100%"]
+    assert rows["other"][5:9] == ["0.700 ± 0.173", "0.700 ± 0.173", "0.200 ± 0.173", "100%"]
+
+
+def test_no_share_of_a_baseline_that_lost_accuracy(tmp_path):
+    # Pins `first > std` against abs(first): base's gains -0.2 and -0.3 (mean -0.25, std 0.071) are beyond the
+    # noise but a loss; "of base's gain" would read other's +0.2 as -80 %, so both cells are "-"
+    steps = [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in (1, 2, 3)]
+    evals = lambda after: [(0, .5, .5), (3, after, after)]
+    groups = {"base": [report.read_run(write_run(tmp_path / f"base-s{i}", steps, evals(a)))
+                       for i, a in enumerate((.3, .2))],
+              "other": [report.read_run(write_run(tmp_path / "other-s0", steps, evals(.7)))]}
+    rows = {r[0]: r for r in report.comparison_rows(groups)}
+    assert rows["base"][7:9] == ["-0.250 ± 0.071", "-"] and rows["other"][7:9] == ["0.200", "-"]
+
+
+def test_robust_columns_are_each_budgets_mean_over_seeds(runs, tmp_path, monkeypatch, capsys):
+    # Pins comparison_rows' zip(*robust[variant]): one column per budget, each the mean ± sample std over the
+    # variant's seeds. grpo's seeds score (0.1 at 12, 0.5 at 10) and (0.3, 0.9): 0.200 ± 0.141 and 0.700 ±
+    # 0.283; a column per seed would give 0.300 ± 0.283 and 0.600 ± 0.424, and naive's one seed one column
+    scores = {"grpo-s0": [.1, .5], "grpo-s1": [.3, .9], "pods-s1": [.2, .2], "pods-s0": [.4, .4],
+              "naive-s0": [.4, .6]}
+    monkeypatch.setattr(report, "robust_plan", lambda folder, step, budgets: (folder, budgets))
+    monkeypatch.setattr(report, "robust_accuracy", lambda folder, budgets, device: scores[Path(folder).name])
+    report.main(["runs", *runs, "--robust-budgets", "12", "10", "--out", str(tmp_path / "r")])
+    comparison = tables(capsys.readouterr().out)[0]
+    assert comparison["variant"][8:10] == ["sparse @ 12", "sparse @ 10"]
+    assert comparison["grpo"][8:10] == ["0.200 ± 0.141", "0.700 ± 0.283"]
+    assert comparison["pods"][8:10] == ["0.300 ± 0.141", "0.300 ± 0.141"]
+    assert comparison["naive"][8:11] == ["0.400", "0.600", "25.0%"]
+
+
+def test_dropped_tokens_and_peak_kv_count_every_logged_step(tmp_path):
+    # Pins the columns that are not totals up to the last evaluation: a run killed after step 3 (its last
+    # evaluation at 2) dropped 50 of step 3's 100 tokens at a peak KV of 10 %: dropped 50 / 300 = 16.7 %, peak KV
+    # (1 + 1 + 0.1) / 3 = 70.0 %. Reading only the steps up to the evaluation gave 0.0 % and 100.0 %
+    metrics = [line(s, 100, 0, 0, 100, 100, (1, 0, 0), [1.0]) for s in (1, 2)] + [line(3, 100, 50, 0, 10, 100,
+                                                                                          (1, 0, 0), [1.0])]
+    groups = {"v": [report.read_run(write_run(tmp_path / "v-s0", metrics, [(0, .5, .5), (2, .6, .6)]))]}
+    assert report.comparison_rows(groups)[0][9:11] == ["70.0%", "16.7%"]
+
+
+def test_a_tail_of_0_counts_in_its_bins_mean():
+    # Pins tail_by_variant's `is not None`: a step whose 5th percentile of alpha is 0.0 (a bin where the sparse
+    # sampler put its mass elsewhere) counts: (0.0 + 0.5) / 2 = 0.25; a truthiness test dropped it (0.5)
+    metrics = [dict(bin_size=16, alpha_p05_by_bin=[0.0]), dict(bin_size=16, alpha_p05_by_bin=[0.5])]
+    assert report.tail_by_variant({"v": [(metrics, None)]}) == {"v": {(0, 15): 0.25}}
+
+
+def test_the_note_on_lost_metrics_counts_seeds_and_steps_apart(tmp_path):
+    # Pins the note's two counts: seed 0 lost steps 2 and 3 (its eval.jsonl goes on to 4), seed 1 none: 1 of the
+    # 2 seeds, 2 steps in all (one count printed for the other read "1 steps" or "2 of the 2 seeds")
+    steps = lambda *ss: [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in ss]
+    groups = {"v": [report.read_run(write_run(tmp_path / f"v-s{i}", m, [(0, .5, .5), (4, .6, .6)]))
+                    for i, m in enumerate((steps(1, 4), steps(1, 2, 3, 4)))]}
+    notes = [l for l in report.report_text(groups).splitlines() if l.startswith("Note:")]
+    assert notes == ["Note: 1 of the 2 seeds of v lack the metrics of 2 steps in all before their last evaluation, "
+                     "so its vetoed, train time and time to the baseline's best count only the steps logged."]
+
+
+def test_read_run_sorts_lines_written_out_of_step_order(tmp_path):
+    # Pins read_run's sort: logs joined out of order (eval.jsonl 0, 3, 2; metrics 3, 1, 2) are read in step
+    # order, so the 'after' columns read step 3's evaluation, not the last line's step 2
+    metrics = [line(s, 100, 0, 0, 1, 1, (1, 0, 0), [1.0]) for s in (3, 1, 2)]
+    folder = write_run(tmp_path / "r-s0", metrics, [(0, .5, .5), (3, .9, .9), (2, .6, .6)])
+    metrics, evals = report.read_run(folder)
+    assert [m["step"] for m in metrics] == [1, 2, 3] and [e["step"] for e in evals] == [0, 2, 3]
+
+
+def test_the_plots_draw_the_mean_curves(tmp_path, monkeypatch):
+    # Pins plot's curves, drawn into a stand-in for matplotlib: the reward's running mean (of 10) of the mean over
+    # seeds (0.2, 0.3, 0.4 -> 0.2, 0.25, 0.3), the dense accuracy's mean over seeds at each evaluation, and the
+    # tail at each bin's first position (0, 16), with Sparrow's threshold; each figure to PREFIX_<name>.png
+    drawn = {}
+
+    class Axes:
+        def __init__(self):
+            self.lines = []
+
+        def plot(self, xs, ys, label, marker):
+            self.lines.append((label, list(xs), [round(float(y), 6) for y in ys]))
+
+        def axhline(self, y, **kwargs):
+            self.lines.append(("threshold", y))
+
+        def set(self, **kwargs):
+            pass
+
+        def legend(self):
+            pass
+
+    class Figure:
+        def __init__(self, ax):
+            self.ax = ax
+
+        def tight_layout(self):
+            pass
+
+        def savefig(self, path, dpi):
+            drawn[Path(path).name] = self.ax.lines
+
+    class Plt:
+        def subplots(self, figsize):
+            ax = Axes()
+            return Figure(ax), ax
+
+        def close(self, fig):
+            pass
+    monkeypatch.setattr(report, "pyplot", lambda paths: Plt())
+    seed = lambda rewards, tails: [line(s, 100, 0, 0, 1, 1, (1, 0, 0), t, reward=r)
+                                   for s, r, t in zip((1, 2, 3), rewards, tails)]
+    groups = {"v": [(seed((.1, .2, .3), ([.5, .9], [.7], [.6])), [dict(step=0, dense=.5, sparse=.1),
+                                                                  dict(step=3, dense=.6, sparse=.1)]),
+                    (seed((.3, .4, .5), ([.3], [.5], [.4])), [dict(step=0, dense=.3, sparse=.1),
+                                                              dict(step=3, dense=.8, sparse=.1)])]}
+    report.plot(groups, str(tmp_path / "p"))
+    assert drawn == {"p_reward.png": [("v", [1, 2, 3], [0.2, 0.25, 0.3])],
+                     "p_accuracy.png": [("v", [0, 3], [0.4, 0.7])],
+                     "p_tail.png": [("v", [0, 16], [0.5, 0.9]), ("threshold", report.THRESHOLD)]}
