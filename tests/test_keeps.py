@@ -161,3 +161,67 @@ def test_a_policy_named_twice_is_one_panel(tmp_path, monkeypatch, capsys):
                 "--out", str(tmp_path / "k.png")])
     assert ran == drawn == ["snapkv", "h2o"]
     assert capsys.readouterr().out.count("| snapkv |") == 1
+
+
+def test_example_picks_among_the_long_prompts_and_one_past_them_is_named(tmp_path, monkeypatch, capsys):
+    # Pins keeps' --example: the Nth of the held-out prompts longer than budget + interval (here 2 of 3: "P12="
+    # is short), and --example 2, one past them, is one clear line (`>` for `>=` was an IndexError traceback)
+    # before the model loads. Pins too the cache each panel is drawn through: the task's interval 4, window 4,
+    # sink 2 (pick's, train.py's) at --budget 6, the task's max_new_tokens 12, and the answer decoded without
+    # its special tokens (an end of sequence is no part of the answer)
+    (tmp_path / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4], seed=0)))
+    decode = lambda self, tokens, skip_special_tokens: "7" if skip_special_tokens else "7</s>"
+    tokenizer = type("T", (), dict(decode=decode))()
+    monkeypatch.setattr(keeps, "held_out_examples", lambda *a: [dict(prompt="P12=", answer="1"),
+                                                                dict(prompt="Pabc123de=", answer="2"),
+                                                                dict(prompt="Pxyz999xy=", answer="9")])
+    monkeypatch.setattr(keeps, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
+    argv = ["--model", str(tmp_path), "--policies", "snapkv", "--budget", "6", "--out", str(tmp_path / "k.png")]
+    with pytest.raises(SystemExit, match="^error: --example 2: only 2 held-out prompts are longer than the budget "
+                                         "\\(6\\) \\+ interval \\(4\\)$"):
+        keeps.main(argv + ["--example", "2"])
+    ran = []
+    monkeypatch.setattr(keeps, "load_pretrained", lambda *a, **k: (None, tokenizer))
+    monkeypatch.setattr(keeps, "kept_fractions", lambda model, tok, prompt, sparse, new:
+                        (ran.append((prompt, sparse, new)), (torch.ones(2, 13), [5]))[1])
+    monkeypatch.setattr(keeps, "draw_keeps", lambda *a: None)
+    keeps.main(argv + ["--example", "1"])
+    assert ran == [("Pxyz999xy=", SparseConfig("snapkv", 6, 4, 4, 2), 12)]
+    assert "| snapkv | '7' | 100% | 100% |" in capsys.readouterr().out
+
+
+def test_draw_keeps_colours_each_position_by_role_and_fades_it_by_its_share(tmp_path, monkeypatch):
+    # Pins draw_keeps' dots, drawn into a stand-in for matplotlib: one row of dots per position, coloured by its
+    # role (BOS and the marker grey, a digit green, a letter red, the answer past the prompt blue) and as opaque as
+    # the share of layers and heads that hold it at each step (a share read off another position, or the last
+    # prompt token drawn as the answer, fails here)
+    pytest.importorskip("matplotlib")
+    dots = []
+
+    class Axes:
+        xaxis = type("X", (), dict(set_major_locator=lambda self, locator: None))()
+
+        def scatter(self, xs, ys, c, s=None, alpha=None, linewidths=None, label=None):
+            if label is None:                                              # the legend's empty scatters aside
+                dots.append((ys[0], c, [round(float(a), 6) for a in alpha], list(xs)))
+
+        def __getattr__(self, name):                                      # titles, labels, legend
+            return lambda *a, **k: None
+
+    class Figure:
+        def __getattr__(self, name):                                      # suptitle, tight_layout, savefig
+            return lambda *a, **k: None
+
+    class Plt:
+        def subplots(self, rows, columns, **kwargs):
+            return Figure(), [[Axes() for _ in range(columns)]]
+
+        def close(self, fig):
+            pass
+    monkeypatch.setattr(keeps, "pyplot", lambda paths: Plt())
+    kept = torch.tensor([[1, 1, 1, 1, 0], [1, .5, 0, .25, 1]])                # steps 0 and 1; 4 prompt + 1 answer
+    keeps.draw_keeps([("snapkv", kept, "7")], ["prompt", "needed", "distractor", "prompt"],
+                     dict(prompt="1a=", answer="7"), 6, tmp_path / "k.png")
+    assert dots == [(0, "tab:grey", [1, 1], [0, 1]), (1, "tab:green", [1, .5], [0, 1]),
+                    (2, "tab:red", [1, 0], [0, 1]), (3, "tab:grey", [1, .25], [0, 1]),
+                    (4, "tab:blue", [0, 1], [0, 1])]

@@ -757,3 +757,14 @@ def test_the_plots_draw_the_mean_curves(tmp_path, monkeypatch):
     assert drawn == {"p_reward.png": [("v", [1, 2, 3], [0.2, 0.25, 0.3])],
                      "p_accuracy.png": [("v", [0, 3], [0.4, 0.7])],
                      "p_tail.png": [("v", [0, 16], [0.5, 0.9]), ("threshold", report.THRESHOLD)]}
+
+
+def test_a_missing_results_runs_folder_says_how_it_is_made(tmp_path):
+    # Pins read_run's hint: results/runs/<run> without its logs (reproduce.sh not run yet) says what makes them;
+    # another folder gets no such hint
+    hint = " \\(results/runs is made by `bash reproduce.sh`\\)"
+    for folder, end in ((tmp_path / "results" / "runs" / "dense-s0", hint), (tmp_path / "mine" / "dense-s0", "")):
+        folder.mkdir(parents=True)
+        with pytest.raises(ValueError, match=f"dense-s0' is not a train.py run folder: it holds no metrics.jsonl"
+                                             f"{end}$"):
+            report.read_run(str(folder))
