@@ -325,3 +325,35 @@ def test_a_bad_command_line_is_told_by_the_full_parser_not_the_presets(argv, err
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and err[0].endswith("[--flag value ...]   (--help: every flag, with the value it will take)")
     assert err[1].endswith("error: " + error)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--veto", "0.99"], ["--temperature", "1e-06"], ["--band", "0.5", "1"], ["--band", "1", "1.5"], ["--group-size", "2"],
+    ["--digits", "1", "1"], ["--task", "sort", "--digits", "4", "8", "--max-new-tokens", "8"], ["--controller", "0"],
+    ["--controller", "1"]])
+def test_each_check_args_bound_admits_the_value_on_its_edge(argv):
+    # Pins the edge of each bound, as its message says it: --veto < 1, a temperature of C.MIN_TEMPERATURE (1e-6) or
+    # more, a band that holds rho 1 at either end, a group of 2, 1 <= MIN <= MAX digits, --max-new-tokens >= MAX, a
+    # threshold in [0, 1]. Mutants that survived: '<= 1' for the veto, '<=' for the temperature, '1 < HIGH' for the
+    # band, '<= 2' for the group, 'MIN < MAX' for the digits, '<=' for the toy answers, '0 <' or '< 1' for the controller
+    assert cli.check_args(cli.parse_args(argv)) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--veto", "1"], "--veto must be < 1 (a response with any rho below it leaves the loss; Sparse-RL's 1e-4), got 1.0"),
+    (["--digits", "0", "3"], "--digits needs 1 <= MIN <= MAX, got [0, 3]"),
+    (["--task", "sort", "--digits", "4", "8", "--max-new-tokens", "7"], "--max-new-tokens 7 cuts off the toy answers of "
+     "up to 8 digits (--digits MAX), so no long answer can be right: give --max-new-tokens >= 8 (or a smaller --digits "
+     "MAX)"),
+    (["--controller", "-0.1"], "--controller THRESHOLD is a 5th-percentile acceptance in [0, 1] (Sparrow's 0.86), got "
+     "-0.1"),
+    # check_least's list by name (was: only some of them had a case): a flag dropped from it is refused by SparseConfig
+    # or the sampler under another name, or not at all
+    (["--window", "0"], "--window must be >= 1, got 0"), (["--interval", "0"], "--interval must be >= 1, got 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0")])
+def test_each_check_args_bound_refuses_the_value_just_past_its_edge(argv, message):
+    # the other side of the edges above: veto 1 (every response with a rho below 1 vetoed), 0 digits, an answer of 8
+    # digits in 7 tokens, a negative threshold, and the three counts of at least 1
+    with pytest.raises(ValueError) as error:
+        cli.check_args(cli.parse_args(argv))
+    assert str(error.value) == message
