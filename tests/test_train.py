@@ -1008,3 +1008,49 @@ def test_an_unreadable_cached_warm_up_is_made_anew_not_a_bare_json_error(tmp_pat
         f"{tmp_path / 'warmup'} was made with unrecorded settings; making a new warm-up for {{'task': 'sort', "
         f"'digits': [4, 8], 'warmup_steps': 0, 'seed': 0, 'alphabet': '{train.ALPHABET}'}}")
     assert json.loads((tmp_path / "warmup" / "warmup.json").read_text())["task"] == "sort"
+
+
+def test_restore_refuses_a_checkpoint_that_does_not_fit_the_run_and_says_a_new_lr(tmp_path, capsys):
+    """train.restore's one-line exits, each on a hand-made state: controller budgets for another number of bins, and
+    --distill on a checkpoint with no adapter file; and the line that says the command line's lr replaces the saved one
+    (mutants that survived: the bins' count check dropped, the adapter file's check dropped, the lr line dropped)."""
+    import distill
+    model = models.toy_model(char_tokenizer())
+    saved = torch.optim.AdamW(model.parameters(), lr=0.1)
+    args = train.parse_args(["--lr", "3e-5", "--controller", "0.86", "--bin-size", "16", "--max-new-tokens", "12",
+                             "--budget", "12"])
+    controller = train.sparse_config(args, longest_prompt=20).schedule           # bins 0, 16: 20 + 12 tokens
+    state = dict(step=2, optimizer=saved.state_dict(), torch_rng=torch.get_rng_state(), budgets=[8])
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+    with pytest.raises(SystemExit, match=r"^error: .* holds no controller budgets for 2 bins \(found \[8\]\); "):
+        train.restore(state, tmp_path, args, opt, None, None, controller)
+    assert capsys.readouterr().out == "learning rate 3e-05 (the checkpoint was trained at 0.1)\n"
+    lora = distill.LoRA(model, 2)
+    state = dict(state, budgets=[8, 11], lora_optimizer=torch.optim.AdamW(lora.parameters(), lr=0.1).state_dict())
+    with pytest.raises(SystemExit, match="^error: .* holds no DistillSparse adapter; resume it without --distill$"):
+        train.restore(state, tmp_path, args, opt, lora, torch.optim.AdamW(lora.parameters(), lr=1.0), controller)
+
+
+def test_each_adamw_step_sees_its_own_minibatchs_gradient_alone(warm, monkeypatch):
+    # 2 epochs of one minibatch (all 16 rollouts) at SGD lr 0, gradients unclipped: the weights never move, so both
+    # steps must see the same gradient, that of the batch's loss. Mutant that survived: opt.zero_grad dropped (the
+    # second step then took the sum of both epochs' gradients, twice the first)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *args, **kwargs: None)
+    model, tokenizer = models.load_pretrained(str(warm))
+    opt, grads = torch.optim.SGD(model.parameters(), lr=0.0), []
+    real_step = opt.step
+    monkeypatch.setattr(opt, "step", lambda *a, **k: grads.append(
+        torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])) or real_step(*a, **k))
+    small_step(model, tokenizer, train.parse_args(SMALL + ["--ppo-epochs", "2"]), opt)
+    assert len(grads) == 2 and grads[0].abs().max() > 1e-6
+    assert torch.allclose(grads[1], grads[0], atol=1e-6)
+
+
+def test_a_cached_warm_up_still_refuses_a_budget_no_rollout_exceeds(tmp_path, warm):
+    # Pins main's check_fits after loading: with the warm-up cached, load_model's own check never runs, so without
+    # main's a --budget of 40 (the longest rollout holds 11 + 10 - 1 = 20 tokens) trained a dense run under
+    # snapkv's name. Mutant that survived: main's check_fits dropped
+    shutil.copytree(warm, tmp_path / "warmup")
+    with pytest.raises(SystemExit, match=r"^error: --budget 40: the longest rollout holds at most 20 tokens "):
+        train.main(SMALL + ["--out", str(tmp_path), "--budget", "40"])
+    assert not (tmp_path / "metrics.jsonl").exists()
