@@ -1054,3 +1054,16 @@ def test_a_cached_warm_up_still_refuses_a_budget_no_rollout_exceeds(tmp_path, wa
     with pytest.raises(SystemExit, match=r"^error: --budget 40: the longest rollout holds at most 20 tokens "):
         train.main(SMALL + ["--out", str(tmp_path), "--budget", "40"])
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_sparse_rl_steps_line_counts_the_tokens_rejection_dropped(warm, monkeypatch):
+    # metrics.jsonl's vetoed and dropped_tokens (the progress bar's and the summary's) are the step's own, counted here
+    # from the masks before and after rejection and from rho < veto by hand; the zeros are only for runs without
+    # rejection. Mutant that survived: the zeros written over the counts ({**metrics, "vetoed": 0, ...})
+    rejected = spy(monkeypatch, train.C, "rejection_mask")
+    model, tokenizer = models.load_pretrained(str(warm))
+    metrics = small_step(model, tokenizer, train.parse_args(SMALL + ["--band", "0.9", "1.1", "--veto", "0.5"]))
+    (log_rho, mask, *_), _, (kept, _) = rejected[0]
+    real = mask > 0
+    dropped, vetoed = int(real.sum() - (kept > 0).sum()), int(((log_rho.exp() < 0.5) & real).any(-1).sum())
+    assert dropped > 0 and (metrics["dropped_tokens"], metrics["vetoed"]) == (dropped, vetoed)
