@@ -1067,3 +1067,17 @@ def test_a_sparse_rl_steps_line_counts_the_tokens_rejection_dropped(warm, monkey
     real = mask > 0
     dropped, vetoed = int(real.sum() - (kept > 0).sum()), int(((log_rho.exp() < 0.5) & real).any(-1).sum())
     assert dropped > 0 and (metrics["dropped_tokens"], metrics["vetoed"]) == (dropped, vetoed)
+
+
+def test_band_reaches_the_out_of_band_metric_and_adamw_decays_nothing(tmp_path, warm, monkeypatch):
+    # --band feeds the out_of_band metric under every correction (cli's help), and AdamW runs without weight
+    # decay (docs/method.md section 8): mutants not passing the band, or dropping weight_decay=0.0 (AdamW's
+    # default is 0.01), survived the other tests
+    shutil.copytree(warm, tmp_path / "warmup")
+    bands, decays = [], []
+    stats, adamw = train.C.mismatch_stats, torch.optim.AdamW
+    monkeypatch.setattr(train.C, "mismatch_stats", lambda *a, **k: bands.append(a[5:]) or stats(*a, **k))
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, **k: decays.append(k.get("weight_decay")) or
+                        adamw(params, **k))
+    train.main(SMALL + ["--out", str(tmp_path), "--steps", "1", "--band", "0.9", "1.1", "--correction", "tis"])
+    assert bands == [(0.9, 1.1)] and decays == [0.0]
