@@ -582,3 +582,46 @@ def test_a_model_called_without_positions_gets_them_from_the_tokens_seen_not_the
         assert cache.compressions > 0 and cache.kv_tokens < 13 + 6
         logits[explicit] = torch.cat(rows)
     torch.testing.assert_close(logits[False], logits[True])
+
+
+def test_compressions_counts_the_steps_on_which_any_row_compresses():
+    # `compressions` (sampler's stats["compressions"], bench_static's "compressions") counts compressing STEPS, not
+    # rows: the rows of a padded batch fall due on different steps, and a step on which two do is one compression.
+    # Reference: each row alone, counted with a plain loop (its tokens grow by one a step; at budget + interval it
+    # is cut back to the budget), and the union of the steps. Budget 7, interval 3, prompts 9, 5, 13: at the first
+    # decode step rows 0 and 2 both fall due (one compression, not two): 15 steps.
+    sparse = SparseConfig("snapkv", budget=7, interval=3, window=3, sink=2, kernel=3)
+    q, k, v, pos, P = random_steps()
+    cache, _ = run_cache(sparse, q, k, v, pos, P)
+    steps, rows = set(), 0
+    for length in LENGTHS:
+        held = length
+        for step in range(1, q.shape[2] - P + 1):
+            held += 1
+            if held - sparse.budget >= sparse.interval:
+                steps.add(step)
+                rows, held = rows + 1, sparse.budget
+    assert cache.compressions == len(steps) == 15 and rows > 15
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "rkv"])
+def test_a_budget_a_schedule_lowers_compresses_with_the_last_window_queries(monkeypatch, policy):
+    # A schedule that lowers the budget (16 below a 20-token context, 8 from there on) brings a compression forward:
+    # the 13-token row at 19 tokens is 3 over 16, far from its next compression at interval 6, yet at 20 tokens it is
+    # 12 over 8 and compresses at once. SnapKV and R-KV score with the last `window` queries, so with a schedule
+    # every step must remember its query: each compression's due rows must find in their ring exactly the positions
+    # of their last 3 queries (newest - 2 .. newest), not stale ones from the prefill.
+    sparse = SparseConfig(policy, budget=8, interval=6, window=3, sink=2, kernel=3,
+                          schedule=Schedule((0, 20), (16, 8)))
+    q, k, v, pos, P = random_steps()
+    seen, compress = [], kvcache.compress
+
+    def check(layer, sparse, rows, *a):
+        for b in rows.tolist():
+            newest = int(layer.pos[b].max())
+            seen.append((sorted(layer.query_pos[b].tolist()), list(range(newest - 2, newest + 1))))
+        return compress(layer, sparse, rows, *a)
+    monkeypatch.setattr(kvcache, "compress", check)
+    cache, _ = run_cache(sparse, q, k, v, pos, P)
+    assert cache.compressions >= 3 and len(seen) >= 3
+    assert all(ring == expect for ring, expect in seen)
