@@ -625,3 +625,21 @@ def test_a_budget_a_schedule_lowers_compresses_with_the_last_window_queries(monk
     cache, _ = run_cache(sparse, q, k, v, pos, P)
     assert cache.compressions >= 3 and len(seen) >= 3
     assert all(ring == expect for ring, expect in seen)
+
+
+def test_peak_kv_tokens_is_the_most_slots_any_step_held():
+    # stats["peak_kv_tokens"] (and peak_kv_bytes) is the MOST slots a layer held at any step, counted before the
+    # step's compression (the new token stored, the cut not yet made), not the last step's count. Reference: each
+    # row alone with a plain loop, its tokens grow by one a step and are cut to the budget at budget + interval;
+    # the buffers are as long as the longest row. Prompts of 5: the peak is budget + interval = 11, reached at
+    # steps 6, 9, 12 and 15, never at the last (step 16: 9 slots) nor at the 5-token prefill
+    sparse = SparseConfig("snapkv", budget=8, interval=3, window=2, sink=2, kernel=3)
+    q, k, v, pos, P = random_steps(prompt_lens=(5, 5, 5), new_tokens=16)
+    cache, _ = run_cache(sparse, q, k, v, pos, P)
+    held, most = 5, 5
+    for _ in range(16):
+        held += 1
+        most = max(most, held)
+        held = sparse.budget if held - sparse.budget >= sparse.interval else held
+    assert cache.peak_kv_tokens == most == 11 and cache.kv_tokens == held == 9
+    assert cache.peak_kv_bytes == 11 * cache.bytes_per_slot
