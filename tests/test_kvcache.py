@@ -643,3 +643,18 @@ def test_peak_kv_tokens_is_the_most_slots_any_step_held():
         held = sparse.budget if held - sparse.budget >= sparse.interval else held
     assert cache.peak_kv_tokens == most == 11 and cache.kv_tokens == held == 9
     assert cache.peak_kv_bytes == 11 * cache.bytes_per_slot
+
+
+def test_a_compression_that_leaves_no_hole_lets_decode_steps_go_unmasked(monkeypatch):
+    # `Layer.holes` says whether a decode step must mask: the left-padded prefill (9, 5, 13 tokens) leaves holes, and
+    # with interval 1 rows 0 and 2 are cut to budget 7 at every step from step 1. At step 1 row 1 holds 6 tokens in
+    # 7 slots (a hole: masked); at step 2 it holds 7 and the compressing step drops its padding. From then on every
+    # slot holds a real token: no hole, so every later decode step attends unmasked (a stale `holes` would build and
+    # apply a mask on every step of the rollout).
+    masked, attention = [], kvcache.attention
+    monkeypatch.setattr(kvcache, "attention", lambda *a, **kw: masked.append(kw["masked"]) or attention(*a, **kw))
+    sparse = SparseConfig("streaming", budget=7, interval=1, window=2, sink=2)
+    q, k, v, pos, P = random_steps(new_tokens=8)
+    cache, _ = run_cache(sparse, q, k, v, pos, P)
+    assert masked == [True, True] + [False] * 7                         # the prefill, step 1, then none
+    assert not cache.layers[0].holes and (cache.layers[0].pos >= 0).all()
