@@ -658,3 +658,13 @@ def test_a_compression_that_leaves_no_hole_lets_decode_steps_go_unmasked(monkeyp
     cache, _ = run_cache(sparse, q, k, v, pos, P)
     assert masked == [True, True] + [False] * 7                         # the prefill, step 1, then none
     assert not cache.layers[0].holes and (cache.layers[0].pos >= 0).all()
+
+
+@pytest.mark.parametrize("policy", ["streaming", "snapkv"])
+def test_a_sliding_window_masks_decode_steps_of_an_unpadded_batch(policy):
+    # with no padding every slot is a real key and `holes` stays False, yet between compressions (interval 3) a
+    # decode step of a window-6 model holds up to 10 keys, some older than its window: it must still mask them
+    # (hook.visible), as the one-prompt reference's queries see only keys > position - 6
+    sparse = SparseConfig(policy, budget=7, interval=3, window=3, sink=2, kernel=3)
+    cache = check_against_one_prompt_reference(sparse, lengths=(9, 9, 9), sliding_window=6)
+    assert cache.compressions > 3 and not cache.layers[0].holes
