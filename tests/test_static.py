@@ -274,6 +274,26 @@ def test_a_static_step_reads_the_steps_inputs_only_from_its_own_device_tensors(m
     assert (static.logprobs - eager.logprobs).abs().max() < 1e-5
 
 
+def test_the_device_state_is_made_once_and_kept_through_the_compressions(monkeypatch):
+    """A CUDA graph replays the tensors it was captured with: `cursor`, `ring`, `now`, `pages` and, with record=True,
+    `seen` are made once, after the prefill, and every later static step, also one right after a compression's
+    `resume`, must find the same tensors, set in place. A resume that made them afresh would leave the graphs writing
+    keys at a stale cursor and remembering queries at a stale ring slot; on a CPU, which runs the step as it is, the
+    rollout would not show it, so the tensors' identity is pinned here."""
+    model = tiny_model("llama")
+    start_step, held = StaticCache.start_step, []
+
+    def watched(cache, positions):
+        start_step(cache, positions)
+        if cache.static:
+            held.append([cache.cursor, cache.ring, cache.now, cache.pages, *cache.seen])
+    monkeypatch.setattr(StaticCache, "start_step", watched)
+    kinds = step_kinds(monkeypatch)
+    generate(model, PROMPTS, CONFIGS[3], max_new_tokens=30, temperature=0, record=True, captured=True)
+    assert any(a == "eager" and b == "static" for a, b in zip(kinds, kinds[1:]))     # a resume after a compression
+    assert len(held) >= 10 and all(all(a is b for a, b in zip(step, held[0])) for step in held)
+
+
 def test_host_reads_sees_what_a_capture_refuses():
     x = torch.randn(6)
     with HostReads() as reads:
