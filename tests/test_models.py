@@ -369,16 +369,26 @@ def test_set_aside_moves_a_run_to_the_next_free_previous_folder(tmp_path):
     assert models.set_aside(tmp_path) == tmp_path / "previous-14" and not any((tmp_path / "previous-14").iterdir())
 
 
-def test_a_damaged_de_quantised_copy_is_named_not_blamed_on_the_hub(tmp_path, monkeypatch):
-    # smollm2-135m's copy in --cache-dir with torn weights: the error said "no folder 'smollm2-135m' here, and as a
-    # hub id", and named no folder to remove
+def smollm2_copy(tmp_path, monkeypatch, eos_token_id=None):
+    """(folder, tokenizer): a toy model saved where smollm2-135m's de-quantised copy of an empty stand-in GGUF file
+    is looked for in tmp_path / "cache" (its config's eos_token_id set, if given), as if a run had made it."""
     (tmp_path / "m.gguf").write_bytes(b"")
     monkeypatch.setenv(models.SMOLLM2_GGUF, str(tmp_path / "m.gguf"))
     key = models.hashlib.sha1(str(tmp_path.resolve() / "m.gguf").encode()).hexdigest()[:8]
     cached = tmp_path / "cache" / f"m-{key}"
     tokenizer = tasks.char_tokenizer()
-    models.toy_model(tokenizer).save_pretrained(cached)
+    model = models.toy_model(tokenizer)
+    if eos_token_id is not None:
+        model.config.eos_token_id = eos_token_id
+    model.save_pretrained(cached)
     tokenizer.save_pretrained(cached)
+    return cached, tokenizer
+
+
+def test_a_damaged_de_quantised_copy_is_named_not_blamed_on_the_hub(tmp_path, monkeypatch):
+    # smollm2-135m's copy in --cache-dir with torn weights: the error said "no folder 'smollm2-135m' here, and as a
+    # hub id", and named no folder to remove
+    cached, _ = smollm2_copy(tmp_path, monkeypatch)
     weights = cached / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ValueError, match=f"^cannot load the weights of model 'smollm2-135m': its de-quantised copy "
@@ -565,15 +575,7 @@ def test_a_gguf_copy_whose_tokenizer_names_another_eos_ends_at_its_configs(tmp_p
     # Pins load_pretrained's eos fix for a GGUF source (transformers 5.17 gave SmolLM2's GGUF tokenizer eos
     # <|im_start|> while its config said <|im_end|>): the tokenizer's eos becomes the config's. A plain folder keeps
     # its tokenizer's eos. Reference: the config's eos id, written by hand into the cached copy
-    (tmp_path / "m.gguf").write_bytes(b"")
-    monkeypatch.setenv(models.SMOLLM2_GGUF, str(tmp_path / "m.gguf"))
-    key = models.hashlib.sha1(str(tmp_path.resolve() / "m.gguf").encode()).hexdigest()[:8]
-    cached = tmp_path / "cache" / f"m-{key}"
-    tokenizer = tasks.char_tokenizer()
-    model = models.toy_model(tokenizer)
-    model.config.eos_token_id = 5                                       # the tokenizer's eos is 2
-    model.save_pretrained(cached)
-    tokenizer.save_pretrained(cached)
+    cached, tokenizer = smollm2_copy(tmp_path, monkeypatch, eos_token_id=5)
     assert tokenizer.eos_token_id == 2
     _, loaded = models.load_pretrained(models.SMOLLM2, cache_dir=tmp_path / "cache")
     assert loaded.eos_token_id == 5 and loaded.eos_token == tokenizer.convert_ids_to_tokens(5)
