@@ -71,14 +71,19 @@ def preset(argv):
         known, _ = p.parse_known_args(argv)
     except argparse.ArgumentError:
         known = argparse.Namespace(model=None, data=None, device=None, task="pick")
-    task = known.task if known.task in TASKS else "pick"
+    return preset_of(known)
+
+
+def preset_of(args):
+    """`preset`'s choice for a namespace holding model, data, device and task (a parsed command line)."""
+    task = args.task if args.task in TASKS else "pick"
     digits = dict(digits=task_digits(task))   # a --model on a toy task (no --data) plays it at its own lengths too
-    if known.model is None and known.data is None:
+    if args.model is None and args.data is None:
         return TOY_TASKS[task] | digits
-    if known.model == SMOLLM2 and known.data:
+    if args.model == SMOLLM2 and args.data:
         return CPU | digits
-    if known.model == SMOLLM2:
-        return (GPU if known.device == "cuda" else ARITHMETIC) | digits
+    if args.model == SMOLLM2:
+        return (GPU if args.device == "cuda" else ARITHMETIC) | digits
     return PAPER | digits
 
 
@@ -333,8 +338,8 @@ def check_args(args):
                   lora_rank=(args.distill == "off", "--distill"), lora_lr_scale=(args.distill == "off", "--distill"),
                   page_size=(args.policy != "blocktopk", "--policy blocktopk"),
                   dense_layers=(args.policy != "blocktopk", "--policy blocktopk"))
-    # the parser's own; the pages' are the preset's: the toy's (4, 1) without --model, else Sparrow's (16, 2)
-    pages = TOY_TASKS[args.task] if args.model is None else PAPER
+    # the parser's own; the pages' are this run's preset's: the toy's (4, 1), else Sparrow's (16, 2)
+    pages = preset_of(args)
     defaults = vars(parse_args([])) | dict(page_size=pages["page_size"], dense_layers=pages["dense_layers"])
     for name, (unused, needs) in unread.items():
         if args.steps > 0 and unused and getattr(args, name) != defaults[name]:
