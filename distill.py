@@ -198,7 +198,7 @@ class SparseMasks:
 
     def __getitem__(self, layer):
         L, device = self.L, self.causal.device
-        seen = self.kept[layer][self.step, self.row].transpose(1, 2)       # [steps, N, H_kv, S] -> [N, H_kv, L, S]
+        seen = self.kept[layer][self.step, self.row].transpose(1, 2).long()   # [steps, N, H_kv, S] -> [N, H_kv, L, S]
         rows = torch.zeros(*seen.shape[:3], L + 1, dtype=torch.bool, device=device)
         rows.scatter_(-1, torch.where(seen < 0, L, seen.clamp(max=L)), True)          # column L: "nothing"
         return (rows[..., :L] & self.causal) | torch.eye(L, dtype=torch.bool, device=device)

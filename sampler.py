@@ -46,8 +46,8 @@ class Rollouts:
     stats          dict          peak_kv_tokens, peak_kv_bytes, dense_kv_bytes, tokens_per_s, ...
     kept           list or None  with record=True, per layer [T, N, H_kv, S]: the positions each forward
                                  pass attended to (0: the prefill; t: the step that fed response token
-                                 t - 1), -1 where nothing; what a training forward needs to see what the
-                                 sampler saw (distill.py)
+                                 t - 1), -1 where nothing, int16 (int32 past 32767 positions); what a
+                                 training forward needs to see what the sampler saw (distill.py)
     """
 
     prompts: list

@@ -96,7 +96,8 @@ class StaticCache(KVCache):
             self.k_pages = min(attended_pages(sparse.largest_budget, sparse.page_size),
                                (first.pos_buf.shape[-1] - 1) // sparse.page_size + 1)
             if self.history is not None:
-                self.seen = [layer.pos_buf.new_full(self.seen_shape(layer), -1) for layer in self.layers]
+                self.seen = [layer.pos_buf.new_full(self.seen_shape(layer), -1, dtype=self.record_dtype)
+                             for layer in self.layers]
         self.cursor.fill_(first.size)
         self.ring.fill_(first.ring)
         for layer in self.layers:

@@ -506,3 +506,21 @@ def test_tokens_per_s_counts_the_live_tokens_only():
     live = int(out.mask.sum())
     assert live < out.mask.numel() and out.stats["new_tokens"] == live
     assert out.stats["tokens_per_s"] == pytest.approx(live / out.stats["seconds"], rel=1e-9)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "blocktopk"])
+@pytest.mark.parametrize("captured", [False, True])
+def test_the_record_holds_positions_in_the_narrowest_integer_that_fits(policy, captured):
+    # Rollouts.kept is steps x layers x H_kv x S positions a row (GBs at the papers' lengths in int64): int16 while
+    # the last position fits (<= 32767), int32 one past it, the same positions either way. The rows end at their
+    # first token (greedy, eos = that token), so a max_new_tokens of 32K costs only the buffers it preallocates.
+    model, prompt = tiny_model("llama", max_position_embeddings=2 ** 15 + 64), [list(range(1, 14))]
+    eos = hf_greedy(model, prompt, 1)[0, 0].item()
+    sparse = SparseConfig(policy, budget=8, interval=3, window=2, sink=2) if policy == "snapkv" else \
+        SparseConfig("blocktopk", budget=4, page_size=4)
+    run = lambda new: generate(model, prompt, sparse, max_new_tokens=new, temperature=0, eos_token_id=eos,
+                               record=True, captured=captured).kept
+    short, fits, over = run(4), run(2 ** 15 - 13), run(2 ** 15 - 12)   # last position 32766 + 1 = 32767, 32768
+    assert [k.dtype for k in short + fits] == [torch.int16] * 4 and [k.dtype for k in over] == [torch.int32] * 2
+    assert all(torch.equal(a.long(), b.long()) and torch.equal(a.long(), c.long()) for a, b, c in zip(short, fits, over))
+    assert sorted(short[0][0, 0, 0].tolist()) == [-1] * (short[0].shape[-1] - 13) + list(range(13))   # the prefill
