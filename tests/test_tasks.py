@@ -346,6 +346,10 @@ def test_encode_target_is_the_answer_then_eos():
     ("\\boxed{3\n4}", "3", 0.0),
     ("#### 1,", "1", 0.0),                                    # "1,000" cut short by max_new_tokens
     ("#### 1, so it is", "1", 1.0),                           # a comma that ends a clause
+    ("#### 3, 4", "3", 0.0),                                  # a list: not its first number (was 1.0)
+    ("#### 3,  -4", "3", 0.0),
+    ("#### 3:30", "3", 0.0),                                  # a time or a ratio: not 3 (was 1.0)
+    ("\\boxed{2:1}", "2", 0.0),
     ("#### −18", "-18", 1.0),                                 # Unicode's minus as a sign
     ("\\boxed{−18}", "-18", 1.0),
     ("#### 1000000000", "1000000001", 0.0),                   # no tolerance: a near miss is a miss
@@ -616,3 +620,15 @@ def test_a_missing_file_of_that_data_set_says_where_to_get_it(tmp_path):
         load_jsonl(tmp_path / "gsm8k" / "test.jsonl")
     with pytest.raises(ValueError, match=r"other.jsonl: no such data file$"):
         load_jsonl(tmp_path / "other.jsonl")
+
+
+def test_a_byte_order_mark_opening_a_data_file_is_read_past(tmp_path):
+    # Windows editors (Notepad's "UTF-8 with BOM") open a file with U+FEFF: json.loads refused line 1 ("Unexpected
+    # UTF-8 BOM"). It is read past there, as Python's "utf-8-sig" does; anywhere else it is a character of the line.
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"question": "q", "answer": "#### 72"}\n{"prompt": "p", "answer": "3"}\n')
+    assert load_jsonl(path) == [{"prompt": "q\n" + tasks.ANSWER_INSTRUCTION, "answer": "72"},
+                                {"prompt": "p", "answer": "3"}]
+    path.write_bytes(b'{"prompt": "p", "answer": "3"}\n\xef\xbb\xbf{"prompt": "p", "answer": "3"}\n')
+    with pytest.raises(ValueError, match="bom.jsonl, line 2: not valid JSON"):
+        load_jsonl(path)
