@@ -2,10 +2,11 @@
 import pytest
 import torch
 
+import policies
 import sampler
 from kvcache import Layer, SparseConfig
 from policies import SCORERS, Rows, attended_pages, keep_indices, page_plan, pool, redundancy, top_pages
-from reference import HostReads, _pool, masked_dense_logprobs, tiny_model
+from reference import HostReads, _pool, _scores, masked_dense_logprobs, tiny_model
 from sampler import generate
 
 H, H_KV, D = 4, 2, 8
@@ -62,7 +63,11 @@ def test_keep_indices_by_hand():
     assert kept.tolist() == [[[False, True, False, True, True]], [[True] * 5]]
 
 
-def test_redundancy_by_hand():
+@pytest.mark.parametrize("chunk", [policies.CHUNK, 2])
+def test_redundancy_by_hand(monkeypatch, chunk):
+    # (chunk 2: the same values when the rows come 2 at a time, as past CHUNK = 256 keys; a chunk's diagonal or its
+    # rows' validity read at slots 0.. rather than at the chunk's own slots passed with the whole 5 rows in one chunk)
+    monkeypatch.setattr(policies, "CHUNK", chunk)
     # R-KV's redundancy over one head's keys [1, 1, 5, 4], slot 0 padding (a copy of slot 2's key: it must count for
     # nothing). Valid slots c = [1,1,1,1], a = [1,0,0,0], f = [3,4,0,0], g = [0,0,0,1]; exact cosines:
     #   c.a = 0.5  c.f = 0.7  c.g = 0.5  a.f = 0.6  a.g = 0  f.g = 0
@@ -174,3 +179,83 @@ def test_blocktopk_attends_no_page_past_a_sliding_window(monkeypatch, arch, over
     assert reads.calls == 2 * 29 and reads.seen == []
     assert torch.equal(runs[0].tokens, runs[1].tokens)
     assert (runs[0].logprobs - runs[1].logprobs).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "rkv"])
+def test_scorers_match_the_loop_reference(policy):
+    # each scorer's scores of the keys before the window, against tests/reference.py's _scores (Python loops over the
+    # keys, written from docs/method.md, nothing shared with policies.py): rows of 14 tokens, a window of 4, a sink of
+    # 3, 2 query heads a KV head. The test above only compares a scorer with itself (holes or none), so a scorer
+    # wrong the same way in both passed: the scaling or the query-head grouping of window_logits, the window's edge
+    # (before_window), SnapKV's causal mask, group mean and pooling, R-KV's group max, window mean, sign and the keys
+    # its redundancy reads, StreamingLLM's sink edge and order, H2O's scores. Values, not only an order: R-KV adds two
+    # scores, so the scale of each counts
+    g = torch.Generator().manual_seed(1)
+    sparse = SparseConfig(policy, budget=10, window=4, sink=3, kernel=5)
+    S, W, G = 14, sparse.window, H // H_KV
+    keys, queries = torch.randn(2, H_KV, S, D, generator=g), torch.randn(2, H, S, D, generator=g)
+    acc = torch.rand(2, H_KV, S, generator=g)
+    rows = Rows(keys, torch.arange(S).expand(2, H_KV, S), acc, queries[:, :, S - W:], torch.arange(S - W, S).expand(2, W),
+                D ** -0.5, torch.zeros(2, dtype=torch.long))
+    got = SCORERS[policy](rows, sparse)
+    kept, before, window = list(range(S)), list(range(S - W)), list(range(S - W, S))
+    for b in range(2):
+        for h in range(H_KV):
+            expected = _scores(sparse, queries[b], keys[b], h, G, kept, before, window, dict(enumerate(acc[b, h].tolist())),
+                               D ** -0.5, lambda c, s: s <= c)
+            assert torch.allclose(got[b, h, :S - W].double(), torch.tensor(expected, dtype=torch.double), atol=1e-6), (b, h)
+
+
+def _hash32(x):   # policies.hash32 in plain Python ints: x mod 2**32, two rounds of xorshift-16 and multiply, a last xorshift
+    x &= 0xFFFFFFFF
+    for _ in range(2):
+        x = ((x >> 16) ^ x) * 0x45D9F3B % 2 ** 32
+    return (x >> 16) ^ x
+
+
+def test_random_hashes_salt_head_and_position_as_documented():
+    # `random`'s number for a slot is hash32(hash32(hash32(salt) + KV head) + position) / 2**32, against a loop in
+    # Python ints. The salts are kvcache's: seed % 2**32 * 1_000_003 + context + layer * 65_537, far above 2**32, so
+    # hash32 must read them mod 2**32 first (holes' position -1 too). Nothing else pinned the hash: a changed
+    # constant, shift or round, a hash without the KV head (every head then keeps the same tokens) or nested
+    # differently all passed, and each changes which tokens a seed keeps
+    salts = [(2 ** 32 - 1) * 1_000_003 + 17 + 5 * 65_537, 3]
+    pos = torch.tensor([[-1, 0, 1, 2, 3, 250, 70_000, 123_456_789]] * H_KV)[None].expand(2, -1, -1)
+    rows = Rows(None, pos, None, None, None, 1.0, torch.tensor(salts))
+    got = SCORERS["random"](rows, None)
+    expected = [[[_hash32(_hash32(_hash32(salt) + h) + p) / 2 ** 32 for p in pos[0, h].tolist()] for h in range(H_KV)]
+                for salt in salts]
+    assert got.dtype == torch.float32 and torch.equal(got, torch.tensor(expected))
+    assert not torch.equal(got[:, 0], got[:, 1])                        # the KV heads choose apart
+
+
+def test_attended_pages_by_hand():
+    # the budget's whole pages (a part page buys none) plus the 3 reserved (the first, the 2 newest): a budget of 16
+    # in pages of 4 attends 4 + 3, one of 17 or 19 the same (a ceiling gave them 5 + 3), one under a page only the 3.
+    # The sliding-window test above holds budget = page_size, where the floor and the ceiling agree
+    assert [attended_pages(b, 4) for b in (16, 17, 19, 3, 0)] == [7, 7, 7, 3, 3]
+    assert attended_pages(64, 16) == 7 and attended_pages(100, 6) == 19
+
+
+def test_page_plan_by_hand():
+    # pages of 4 over 39 slots: 10 pages. Row 0: positions 0..38 (page 9 holds 36..38), query 38; row 1: 2 slots of
+    # left padding, positions 0..36 (page 9 holds 36 alone), query 36; the count buffer has 2 pages more, empty.
+    # No window: every page is held, the first and the 2 newest reserved (+inf), a row attends min(top, 10) ranks.
+    # A sliding window of 16: a query at q sees the keys > q - 16, row 0's from 23 on, so page 5 (20..23) is still
+    # in view and pages 0..4 are not (-inf, page 0 no longer reserved); row 1's from 21 on, pages 5..9 again. Each
+    # attends min(top, 5 in view) ranks: row 0 asks 9 and gets 5. Mutants this catches: the window's first page
+    # one later ((q - W + 2) // 4 drops row 0's page 5, which holds a key it sees), and `held` not recounted in view
+    # (row 0 then took 9 ranks, 4 of them pages it cannot see); the sliding-window test above sees neither, its
+    # steps having as many pages in view as they may attend. The offset: each row's left padding + 0..3
+    count = torch.tensor([[4] * 9 + [3, 0, 0], [4] * 9 + [1, 0, 0]])
+    pos = torch.stack([torch.arange(39), (torch.arange(39) - 2).clamp(min=-1)])[:, None].expand(2, H_KV, 39)
+    top, inf = torch.tensor([9, 3]), float("inf")
+    plan = page_plan(count, top, 10, pos, 4)
+    assert plan.tokens.tolist() == [[[4] * 9 + [3]], [[4] * 9 + [1]]]
+    assert plan.bias.tolist() == [[[inf] + [0.0] * 7 + [inf, inf]]] * 2
+    assert plan.chosen.tolist() == [[[True] * 9 + [False]], [[True] * 3 + [False] * 7]]
+    assert plan.offset.tolist() == [[[[0, 1, 2, 3]]], [[[2, 3, 4, 5]]]] and plan.window is None
+    plan = page_plan(count, top, 10, pos, 4, query_pos=torch.tensor([[38], [36]]), sliding_window=16)
+    assert plan.bias.tolist() == [[[-inf] * 5 + [0.0] * 3 + [inf, inf]]] * 2
+    assert plan.chosen.tolist() == [[[True] * 5 + [False] * 5], [[True] * 3 + [False] * 7]]
+    assert plan.window == 16
