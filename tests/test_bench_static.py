@@ -369,3 +369,71 @@ def test_the_model_has_positions_for_every_rollout_it_decodes(monkeypatch, argv,
     with pytest.raises(Built) as built:
         bench_static.main(argv)
     assert built.value.args[0] >= positions
+
+
+def test_profile_runs_eager_then_captured_and_counts_graph_launches_not_annotations(monkeypatch, capsys):
+    """Pins profile's two passes and its sums where the first test's rounding hides them. By hand, 2 steps: one
+    6 ms kernel -> 3.0 ms a step, not 7.5 with the 9 ms user-annotation range on the device's timeline (a
+    `record_function`, no kernel of its own); 2 cudaLaunchKernel + 2 cuLaunchKernelEx + 2 cudaGraphLaunch = 3
+    launches a step (2 without the graph's, 2 with the runtime's alone). Each pass warms up then profiles its own
+    path: eager twice, then captured twice, each printed under its name (a pass dropped, or `captured` not passed
+    on, prints or times one path only)."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    calls = []
+
+    def rollout(model, prompts, sparse, max_new_tokens, temperature, captured):
+        calls.append((max_new_tokens, captured))
+        return type("R", (), dict(stats=dict(seconds=0.05)))()
+
+    def rows():
+        cpu = FunctionEvent(0, "aten::mm", 0, 0, 6000, use_device="cuda", stack=[])
+        cpu.append_kernel("nvjet_mm", 0, 6000)
+        events = [cpu, FunctionEvent(1, "nvjet_mm", 0, 0, 6000, use_device="cuda", stack=[], device_type=DeviceType.CUDA),
+                  FunctionEvent(2, "## forward ##", 0, 20_000, 29_000, use_device="cuda", stack=[],
+                                device_type=DeviceType.CUDA, is_user_annotation=True)]
+        launch = ["cudaLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"] * 2
+        return events + [FunctionEvent(10 + i, name, 0, 40_000 + 10 * i, 40_005 + 10 * i, use_device="cuda", stack=[])
+                         for i, name in enumerate(launch)]
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+        __enter__ = lambda self: self
+        __exit__ = lambda self, *exc: None
+
+        def key_averages(self):
+            events = EventList(rows(), use_device="cuda")
+            events._build_tree()
+            return events.key_averages()
+    monkeypatch.setattr(bench_static, "generate", rollout)
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    model = type("M", (), dict(device=torch.device("cpu")))()
+    bench_static.profile(model, [[1, 2]], SparseConfig("full"), 2)
+    out = capsys.readouterr().out
+    assert calls == [(2, False), (2, False), (2, True), (2, True)]
+    for path in ("eager", "captured"):
+        assert f"full, {path}: 25.0 ms a step under the profiler, device kernels 3.0 ms a step, 3 launches a step" in out
+
+
+def test_counted_steps_wait_for_an_evicting_caches_budget_past_the_prompt_by_hand(monkeypatch):
+    # Pins counted_steps and ops_per_step's prompt length: interval 8, budget 64. An evicting cache first compresses
+    # once the prompt + its steps pass the budget: prompt 3 -> skip 61, rollouts of 61 + 16 and 61 + 24 tokens
+    # (ops_per_step reads the prompt's length, 3, not the batch's 1); prompt 100, past the budget -> no skip (not a
+    # negative one); full and block top-k never compress -> 16 and 24 whatever the prompt
+    snapkv, interval = SparseConfig("snapkv", budget=64, interval=8), 8
+    assert bench_static.counted_steps(snapkv, 3) == (61 + 16, 61 + 24)
+    assert bench_static.counted_steps(snapkv, 100) == (16, 24)
+    for policy in ("full", "blocktopk"):
+        assert bench_static.counted_steps(SparseConfig(policy, budget=64, interval=interval), 3) == (16, 24)
+    steps = []
+    monkeypatch.setattr(bench_static, "generate", lambda model, prompts, sparse, max_new_tokens, **k: steps.append(max_new_tokens))
+    assert ops_per_step(None, [[1, 2, 3]], snapkv, False) == 0 and steps == [77, 85]
+
+
+def test_step_times_times_the_last_decode_step_to_the_rollouts_end(fake_clock):
+    # Pins step_times' last end, a clock read after the rollout: on the fake clock (a second a read) every one of
+    # the 4 decode steps of a 5-token rollout takes at least its own mark's second, the last one included (not 0)
+    seconds, compressing = step_times(tiny_model(), [[5, 9, 3]], SparseConfig("full"), 5)
+    assert len(seconds) == len(compressing) == 4 and min(seconds) >= 1, seconds
