@@ -516,3 +516,72 @@ def test_an_out_that_the_other_file_would_overwrite_is_refused(tmp_path, monkeyp
         bench.main(argv)
     assert capsys.readouterr().err.splitlines()[-1].split(": ", 1)[1] == message   # after the program's name
     assert not any(tmp_path.iterdir())
+
+
+def test_median_run_keeps_the_first_runs_tokens_and_stamps_and_every_runs_load():
+    # Pins median_run's sources, by hand on 3 runs told apart: tokens, cache size, prefill and stamps are the first
+    # run's (the scaling table reads its stamps), not the last's; the others' load is every run's, in order (the
+    # disturbed runs are named by their run number), not the first's alone
+    runs = [fake_run(3.0, 1.0, 0.5, kv_tokens=k, tokens=torch.full((2, 4), k)) for k in (7, 8, 9)]
+    for i, r in enumerate(runs):
+        r["stamps"], r["others"] = [10 * i, 10 * i + 1], [None, 0.2, 0.05][i]
+    summary = bench.median_run(runs)
+    assert summary["peak_kv_tokens"] == 7 and bool((summary["tokens"] == 7).all()) and summary["stamps"] == [0, 1]
+    assert summary["all_others"] == [None, 0.2, 0.05]
+
+
+def test_scaling_marks_a_context_no_decode_step_reaches_as_missing():
+    # Pins scaling's nan: at prompt 4 a context of 4 (the prompt alone) ends no decode step, so its time is not a
+    # measurement: nan, not 0.0 ms (a decode step that cost nothing); context 5 is step 1, 2 s / 2 rows = 1000 ms
+    s = dict(prompt=4, interval=2, batch=2, contexts=(4, 5))
+    long = {name: dict(stamps=[0, 1, 3, 6]) for name in ("full", bench.LONG_POLICY)}
+    table = bench.scaling(long, s)
+    assert math.isnan(table[0]["full"]) and table[1]["full"] == 1000.0
+
+
+def test_the_long_rows_choosing_cell_is_the_long_evicting_runs_share():
+    # Pins report's long rows' choosing cell: the long snapkv run chose 0.25 s of 1 - 0.5 s of decode = 50.0 %;
+    # the long dense run chooses nothing: "-"
+    rows = throughput_rows(fake_report()[0])
+    assert rows[f"ours {bench.LONG_POLICY}, 8 new"][4] == "50.0 %" and rows["ours full, 8 new"][4] == "-"
+
+
+def test_the_overhead_and_limit_rows_and_hfs_share_are_counted_by_hand():
+    # Pins report's table 4 and 5 cells on fake_report: every sparse sampler has a choosing row (block top-k's
+    # "pages, every step", an evicting one's "evict, interval 8"), each the median 50.0 % of decode; the limit's
+    # fraction is ours over the machine's, 1e8 / 1e9 = 10.0 %; HF chooses nothing: its evict_share is None, not 0
+    text, record = fake_report()
+    assert "| choosing, blocktopk (pages, every step) | - | decode time | 50.0 % |" in text
+    assert "| choosing, rkv (evict, interval 8) | - | decode time | 50.0 % |" in text
+    assert "| 0.10 G (1.0 MFLOP/token) | 10.0 % |" in text and record["throughput"][bench.HF]["evict_share"] is None
+
+
+def test_main_takes_the_settings_of_its_flags(monkeypatch):
+    # Pins main's settings: --repeats 1 reaches the runs (not QUICK's 2); --model takes PRETRAINED's runs (budget
+    # 128), not FULL's (budget 256)
+    class Built(Exception):
+        pass
+
+    def build_model(s):
+        raise Built(dict(s))
+    monkeypatch.setattr(bench, "build_model", build_model)
+    monkeypatch.setattr(bench, "check_out_file", lambda out: None)
+    monkeypatch.setattr(bench, "out_files", lambda out, gpu: [out, out, out])
+    with pytest.raises(Built) as built:
+        bench.main(["--quick", "--repeats", "1"])
+    assert built.value.args[0]["repeats"] == 1
+    with pytest.raises(Built) as built:
+        bench.main(["--model", "m"])
+    assert built.value.args[0]["budget"] == bench.PRETRAINED["budget"] == 128 and built.value.args[0]["model"] == "m"
+
+
+def test_a_deadline_goes_with_gpu_only_and_may_be_zero(monkeypatch, capsys, tmp_path):
+    # Pins main's --deadline check: without --gpu it is refused by name; with --gpu, 0 (skip every row not begun)
+    # reaches bench_gpu, as any value >= 0 does
+    import bench_gpu
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench_gpu, "main", lambda args: args.deadline)
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--deadline", "5"])
+    assert "--deadline goes with --gpu and must be >= 0, got 5.0 without --gpu" in capsys.readouterr().err
+    assert bench.main(["--gpu", "--quick", "--deadline", "0"]) == 0.0
