@@ -233,7 +233,12 @@ AttentionInterface.register("sparse_masked", masked_attention_forward)
 def sparse_logprobs(model, rollouts, temperature=1.0):
     """log-probs [N, T] of the sampled tokens under the model as it is now (theta + phi when the adapter
     is on), attending to exactly what the sampler's cache let each token see; with grad."""
-    masks = SparseMasks(rollouts)
+    masks, config = SparseMasks(rollouts), model.config
+    recorded = len(masks.kept), masks.kept[0].shape[2]                 # layers, KV heads
+    ours = config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if recorded != ours:   # else an IndexError or a reshape's error deep in the forward
+        raise ValueError(f"the rollouts were recorded by a model of {recorded[0]} layers x {recorded[1]} KV heads, "
+                         f"this one has {ours[0]} x {ours[1]}: record them with the model being trained")
     previous = model.config._attn_implementation
     model.set_attn_implementation("sparse_masked")
     try:

@@ -155,6 +155,16 @@ def test_the_sparse_forward_needs_what_the_sampler_kept():
         distill.sparse_logprobs(model, out)
 
 
+@pytest.mark.parametrize("other", [dict(num_hidden_layers=3), dict(num_key_value_heads=1)])
+def test_rollouts_another_model_recorded_are_refused_by_name(other):
+    # a 2-layer, 2-KV-head model's record read by a 3-layer model raised "list index out of range" inside its third
+    # layer's attention; by a 1-KV-head model, a reshape's "shape '[3, 1, 1, 29, 16]' is invalid"
+    out = generate(tiny_model("llama"), PROMPTS, CONFIGS["snapkv"], max_new_tokens=5, record=True)
+    theirs = f"{other.get('num_hidden_layers', 2)} x {other.get('num_key_value_heads', 2)}"
+    with pytest.raises(ValueError, match=f"recorded by a model of 2 layers x 2 KV heads, this one has {theirs}"):
+        distill.sparse_logprobs(tiny_model("llama", **other), out)
+
+
 def test_the_distillation_loss_by_hand():
     # two responses; the second token of row 0 is padding. KL alone (Sparrow: loss = kl, coefficient 1, whatever
     # lam says): mean over real tokens of k3, k3 = rho - 1 - log rho with rho = pi_dense_old / pi_sparse+phi
