@@ -116,3 +116,91 @@ def test_forward_calls_acts_once_before_the_pass_it_names_then_lets_go(hf):
 def test_peak_bytes_is_none_on_a_cpu_which_keeps_no_count():
     clocks.reset_peak(torch.device("cpu"))                    # nothing to forget on a CPU: no error
     assert clocks.peak_bytes(torch.device("cpu")) is None
+
+
+def test_the_clocks_read_the_device_they_are_given_and_count_their_repeats(monkeypatch):
+    # Pins timed's, rate's and copy_bandwidth's device (each read of the synchronised clock is the given device's:
+    # a CPU clock would time a CUDA kernel's launch, not its work) and their repeats: rate reads the clock twice a
+    # timed call and times `repeats` calls, 5 by default, as does copy_bandwidth (mutants: clock("cpu") at the end,
+    # the default 3, copy_bandwidth's repeats not passed on). "meta" holds tensors without memory: no copy runs
+    reads = []
+    monkeypatch.setattr(clocks, "clock", lambda device="cpu": reads.append(device) or float(len(reads)))
+    assert clocks.timed(lambda: "done", "cuda:1") == (1.0, "done") and reads == ["cuda:1"] * 2
+    for call, device, timings in [(lambda: clocks.rate(6, lambda: None, "cuda:1"), "cuda:1", 5),
+                                  (lambda: clocks.rate(6, lambda: None, "cuda:1", repeats=2), "cuda:1", 2),
+                                  (lambda: clocks.copy_bandwidth(1000, "meta"), "meta", 5),
+                                  (lambda: clocks.copy_bandwidth(1000, "meta", repeats=2), "meta", 2)]:
+        reads.clear()
+        call()
+        assert reads == [device] * (2 * timings)
+
+
+def test_others_jiffies_is_none_on_a_proc_it_cannot_read(monkeypatch):
+    # Pins others_jiffies's None for a /proc/stat that is empty (IndexError) or not numbers (ValueError), as some
+    # sandboxes serve it: a run is then listed without its disturbance rather than stopped (mutant: only OSError)
+    for stat in ("", "cpu  100 5 x 1000 20 3 2 0 0 0\n"):
+        texts = {"/proc/stat": stat, "/proc/self/stat": "42 (a) R 1 2 3 4 5 6 7 8 9 10 30 12 99 99 20 0\n"}
+        monkeypatch.setattr(clocks, "Path", lambda path: type("P", (), dict(read_text=lambda self: texts[path]))())
+        assert clocks.others_jiffies() is None
+
+
+def test_run_clocks_keeps_a_block_of_exactly_one_second(monkeypatch):
+    # Pins run_clocks's `seconds >= 1`: a 1 s block is long enough (only shorter ones are None), 300 jiffies in it
+    # are 300 / tick cores (mutant: > 1)
+    reads, times = iter([1000, 1300]), iter([0.0, 1.0])
+    monkeypatch.setattr(clocks, "others_jiffies", lambda: next(reads))
+    monkeypatch.setattr(clocks, "time", type("T", (), dict(perf_counter=staticmethod(lambda: next(times)))))
+    model = type("M", (), dict(device="cpu", register_forward_pre_hook=lambda self, fn: type(
+        "H", (), dict(remove=lambda self: None))()))()
+    with clocks.run_clocks(model) as (_, others):
+        pass
+    assert others[0] == 300 / clocks.os.sysconf("SC_CLK_TCK")
+
+
+def test_run_clocks_stamps_every_forward_pass_inside_the_block_only(monkeypatch):
+    # Pins run_clocks's stamps: one read of the model's device's clock before each forward pass in the block, and
+    # none after it, its hook removed (mutants: no stamp, the hook left on the model)
+    reads = []
+    monkeypatch.setattr(clocks, "clock", lambda device="cpu": reads.append(device) or float(len(reads)))
+    model, x = torch.nn.Linear(2, 2), torch.zeros(1, 2)
+    model.device = "cuda:1"
+    with clocks.run_clocks(model) as (stamps, _):
+        for _ in range(3):
+            model(x)
+    model(x)
+    assert stamps == [1.0, 2.0, 3.0] and reads == ["cuda:1"] * 3 and not model._forward_pre_hooks
+
+
+def test_eviction_clock_adds_up_every_choosing_call_on_its_device(monkeypatch):
+    # Pins eviction_clock on a clock that ticks once a read, so a timed call costs 1 s: compress, page_plan,
+    # top_pages and Layer.remember each add theirs (4 calls: 4 s; mutants: `=` for `+=`, remember unwrapped),
+    # on the clock of the first argument's device: a tensor's (page_plan's page counts), else a Layer's k_buf's
+    # (mutant: always the CPU's); results and keyword arguments pass through, and nothing counts after the block
+    reads = []
+    monkeypatch.setattr(clocks, "clock", lambda device="cpu": reads.append(str(device)) or float(len(reads)))
+    for name in ("compress", "page_plan", "top_pages"):
+        monkeypatch.setattr(clocks.kvcache, name, lambda first, *args, name=name, **kwargs: (name, args, kwargs))
+    monkeypatch.setattr(clocks.kvcache.Layer, "remember", lambda self, *args: ("remember", args))
+    layer = type("L", (), dict(k_buf=torch.empty(0, device="meta")))()
+    with clocks.eviction_clock() as spent:
+        assert clocks.kvcache.compress(layer, 1, salt=2) == ("compress", (1,), dict(salt=2))
+        assert clocks.kvcache.page_plan(torch.zeros(2, device="meta"), 3) == ("page_plan", (3,), {})
+        assert clocks.kvcache.top_pages(layer, 4) == ("top_pages", (4,), {})
+        assert clocks.kvcache.Layer.remember(layer, 5) == ("remember", (5,))
+    clocks.kvcache.compress(layer)
+    assert spent == [4.0] and reads == ["meta"] * 8
+
+
+def test_reset_peak_and_peak_bytes_on_a_cuda_device(monkeypatch):
+    # Pins reset_peak / peak_bytes on a fake CUDA device (the CPU test sees neither): reset_peak collects the
+    # cycles, then returns the cache, then forgets the peak of that device (mutants: any one of the three dropped);
+    # peak_bytes is the allocated (not reserved) peak of that device
+    calls, device = [], type("D", (), dict(type="cuda"))()
+    monkeypatch.setattr(clocks, "gc", type("G", (), dict(collect=staticmethod(lambda: calls.append("collect")))))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append(("reset", d)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: calls.append(("allocated", d)) or 123)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: calls.append(("reserved", d)) or 456)
+    clocks.reset_peak(device)
+    assert calls == ["collect", "empty_cache", ("reset", device)]
+    assert clocks.peak_bytes(device) == 123 and calls[-1] == ("allocated", device)
