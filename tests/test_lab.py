@@ -405,3 +405,80 @@ def test_the_python_snippet_that_computes_runs_single_threaded():
         before = text[: match.start()].rsplit("\n\n", 2)[-2]            # the paragraph that introduces it
         if "main(" in match.group(1):                                  # runs a command's computation
             assert "OMP_NUM_THREADS=1 python" in before, before
+
+
+MORE_SYNTHETIC = '''def undocumented(x):
+    y = x + 1
+    return y
+
+
+def not_checks(x):
+    """Doc."""
+    checkpoint(x)
+    print(x)
+    if x < 0:
+        raise ValueError
+    return x
+
+
+def other_raise(x):
+    """Doc."""
+    raise RuntimeError("todo")
+'''
+
+
+def test_what_is_no_check_and_no_stub_on_hand_written_functions():
+    # Pins the edges the first synthetic functions leave open: without a docstring nothing is kept for it (0, not
+    # 1); a call to a helper whose name only starts with "check" (checkpoint), any other call (print) and a bare
+    # `raise ValueError` (no call: no message) are no checks, and reading the last must not fail; a body that raises
+    # anything but NotImplementedError is no stub (mutants: kept = 1 always, startswith("check"), any call a
+    # check, the Call test dropped, any raise a stub)
+    assert head_statements(find_function(MORE_SYNTHETIC, "undocumented")) == 0
+    assert head_statements(find_function(MORE_SYNTHETIC, "not_checks")) == 1
+    assert not lab.is_check(find_function(MORE_SYNTHETIC, "not_checks").body[3])
+    assert not lab.is_stub(find_function(MORE_SYNTHETIC, "other_raise"))
+
+
+def test_an_exercise_number_may_come_with_spaces_and_as_a_string():
+    # Pins exercise's str(n).strip(): " 3 " (a pasted argument) and "3" are exercise 3, as 3 is (mutant: no strip)
+    assert lab.exercise(" 3 ") == lab.exercise("3") == lab.exercise(3) == EXERCISES[3]
+
+
+def test_a_string_exercise_number_is_not_its_own_neighbour(repo):
+    # main passes n as the command line's string: start's note must still leave the exercise itself out (mutant:
+    # k != n, "2" != 2, so exercise 2 named itself as a stub sharing its own tests)
+    try:
+        assert "Note" not in lab.start("2", repo)
+    finally:
+        lab.reset(2, repo)
+
+
+def test_main_runs_the_action_it_is_given_and_prints_its_report(monkeypatch, capsys):
+    # Pins main's dispatch: start N to start, reset N to reset, with n as given; each report printed, exit 0; list
+    # prints the listing, exit 0 (mutants: start and reset swapped, the report not printed, list's exit 1)
+    monkeypatch.setattr(lab, "start", lambda n: f"started {n}")
+    monkeypatch.setattr(lab, "reset", lambda n: f"reset {n}")
+    monkeypatch.setattr(lab, "listing", lambda: "the table")
+    for argv, printed in ((["start", "4"], "started 4\n"), (["reset", "2"], "reset 2\n"), (["list"], "the table\n")):
+        assert lab.main(argv) == 0 and capsys.readouterr().out == printed
+
+
+def test_list_rows_name_the_module_function_sections_and_command(repo):
+    # Pins listing's rows, written out by hand from EXERCISES: the module without .py, the docs sections, the lab
+    # command and the pytest command it runs (mutants: the .py kept, tests for sections, the command dropped)
+    rows = lab.listing(repo).splitlines()
+    assert rows[:2] == ["| N | function | docs/method.md | test command | state |", "|---|---|---|---|---|"]
+    assert rows[4] == ("| 3 | `policies.snapkv` | section 2 | `python lab.py test 3` = `python -m pytest "
+                       "tests/test_kvcache.py tests/test_policies.py` | written |")
+    assert len(rows) == 7
+
+
+def test_reset_skips_a_commit_in_which_the_file_does_not_parse(tmp_path):
+    # Pins original_function's `except SyntaxError`: a student who committed correction.py mid-edit (it does not
+    # parse), then started over: the history's newest commit cannot be read, and reset takes the one before
+    root, original = correction_alone(tmp_path)
+    (root / "correction.py").write_text(original.replace("def importance_weights(", "def importance_weights((", 1))
+    subprocess.run(GIT + ["commit", "-q", "-am", "mid-edit"], cwd=root, check=True)
+    (root / "correction.py").write_text(original.replace("    return w\n", "    return w * 1\n", 1))
+    assert lab.reset(1, root).startswith("exercise 1 reset")
+    assert (root / "correction.py").read_text() == original
