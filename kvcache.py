@@ -306,7 +306,8 @@ class KVCache(Cache):
         self.due = (over >= sparse.interval) & evicts                 # interval >= 1: over budget
         # SnapKV and R-KV score with the last `window` queries before a compression: a decode step further than
         # that from every row's next one need not remember its query (2 launches a layer, eager). A step that
-        # does not remember leaves the ring as it is, so the `window` steps before a compression fill it whole.
+        # does not remember writes no query (the ring's index still turns, as in static.py), so the `window` steps
+        # before a compression fill the ring whole.
         # A schedule may lower the budget, bringing compressions forward: with one, every step remembers.
         self.remembering = sparse.policy in ("snapkv", "rkv") and (
             not self.decoding or sparse.schedule is not None or bool((over + sparse.window > sparse.interval).any()))
