@@ -150,6 +150,9 @@ def test_bad_exercise_numbers_and_edited_functions_are_clear_errors(repo, capsys
     assert lab.main(["start", "7"]) == 2 and "no exercise '7'" in capsys.readouterr().err
     assert lab.main(["reset"]) == 2 and "needs an exercise number" in capsys.readouterr().err
     assert lab.main(["start", "1", "2"]) == 2 and "takes one exercise at a time, got 1 and 2" in capsys.readouterr().err
+    # `test 1 2` handed "2" to pytest, which said only "file or directory not found: 2"
+    monkeypatch.setattr(lab, "test", lambda *args: pytest.fail("test ran"))
+    assert lab.main(["test", "1", "2"]) == 2 and "takes one exercise at a time, got 1 and 2" in capsys.readouterr().err
     assert lab.main(["list", "3"]) == 2 and "lab.py list` takes no exercise number, got 3" in capsys.readouterr().err
     with pytest.raises(SystemExit):                                  # no action: say which there are
         lab.main([])
