@@ -385,7 +385,8 @@ def downsample(rewards, group_size, m, rule="max-variance", generator=None):
       "max-variance": the m rewards of largest variance. The best subset is always the k highest
                       plus the m - k lowest for some k (section 7): sort once, then score every k
                       with prefix sums S1, S2 of r and r^2 in O(m), so O(n log n) per group:
-                      var_k = S2_k / m - (S1_k / m)^2
+                      var_k = S2_k / m - (S1_k / m)^2, each group's r centred first (rewards of 1e8
+                      would lose the variance to S2's rounding)
       "max-reward":   the m highest rewards (worst in PODS);  "random": m uniformly (`generator`).
     Indices are sorted within each group; compute advantages over the kept subset afterwards:
     `group_advantages(rewards[idx], m)`.
