@@ -857,3 +857,74 @@ def test_group_advantages_tell_float64_rewards_apart_at_1e_9():
     advantages, stats = group_advantages(rewards, 2)
     a = 0.5e-9 / ((rewards[1] - rewards[0]).item() / math.sqrt(2) + 1e-4)
     assert stats["zero_std_groups"] == 0 and advantages.tolist() == pytest.approx([-a, a], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- 9. mutation testing's survivors, II
+# Each test below fails on one small change to correction.py's checks or re-scoring that every test above let through.
+
+def test_check_shapes_checks_every_tensor_after_the_first():
+    # check_shapes compares each tensor with the first, not just the second: a mask of the wrong shape given third
+    # (mismatch_stats, policy_loss) reached the indexing and failed there with an IndexError, or broadcast silently
+    with pytest.raises(ValueError, match=r"mask has shape \(2, 4\), expected \(2, 3\) like logp_dense"):
+        mismatch_stats(Z, Z, torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"c has shape \(3,\), expected \(2, 3\) like a"):
+        correction.check_shapes(a=Z, b=Z, c=torch.zeros(3))
+    # mismatch_stats names its own top-k arguments, not acceptance's topk_logp_a / topk_logp_b it passes them to
+    with pytest.raises(ValueError, match=r"topk_sparse has shape \(2, 3, 5\), expected \(2, 3, 4\) like topk_dense"):
+        mismatch_stats(Z, Z, Z, torch.zeros(2, 3, 4), torch.zeros(2, 3, 5))
+
+
+def test_check_groups_refuses_a_float_group_size_and_names_the_first_bad_reward():
+    # group_size 2.0 divides 4 rewards evenly (4 % 2.0 == 0.0) and then failed inside torch's view with a TypeError;
+    # of two non-finite rewards the message names the first (row 1), not the last (row 2)
+    with pytest.raises(ValueError, match="group_size must be a positive integer, got 2.0"):
+        group_advantages(torch.zeros(4), 2.0)
+    with pytest.raises(ValueError, match="rewards must be finite, got nan at row 1"):
+        group_advantages(torch.tensor([0.0, math.nan, math.inf, 1.0]), 2)
+
+
+def test_check_band_takes_low_0_and_refuses_a_negative_low():
+    # 0 <= low: low = 0 is a proper band (no lower edge: every rho >= 0 is in it), a negative low is a typo. Only
+    # low > high and low == high were refused before, so `0 < low` (refusing 0) and a dropped `0 <=` both passed
+    rho = torch.tensor([[0.01, 1.0, 1.6]])
+    new_mask, _ = rejection_mask(rho.log(), torch.ones(1, 3), veto=0.0, low=0.0, high=1.5)
+    assert new_mask.tolist() == [[1, 1, 0]]
+    assert mismatch_stats(rho.log(), torch.zeros(1, 3), torch.ones(1, 3), low=0.0)["out_of_band"] == pytest.approx(1 / 3)
+    for call in (lambda: rejection_mask(Z, Z, low=-0.5, high=1.5), lambda: mismatch_stats(Z, Z, Z, low=-0.5)):
+        with pytest.raises(ValueError, match=r"need 0 <= low < high for the rho band, got low=-0.5, high=1.5"):
+            call()
+
+
+def test_dense_logprobs_refuses_a_float_batch_size(tiny_llama):
+    # batch_size 2.5 passed `< 1` and then failed inside range() with a TypeError, not the message batch_size 0 gets
+    rollouts, _ = hand_rollouts()
+    with pytest.raises(ValueError, match="batch_size must be a positive integer, got 2.5"):
+        dense_logprobs(tiny_llama, rollouts, batch_size=2.5)
+
+
+def test_response_logprobs_passes_model_kwargs_to_the_decoder(tiny_llama, monkeypatch):
+    # distill.py's sparse forward passes its attention masks as **model_kwargs: dropping them on the way to the
+    # decoder scores every token dense, silently (same shapes, plausible numbers). A recording decoder tells.
+    rollouts, _ = hand_rollouts()
+    decoder, seen = tiny_llama.get_decoder(), []
+
+    def recording(**kwargs):
+        seen.append(kwargs.get("marker"))
+        return decoder(**{k: v for k, v in kwargs.items() if k != "marker"})
+    monkeypatch.setattr(tiny_llama, "get_decoder", lambda: recording)
+    with torch.no_grad():
+        response_logprobs(tiny_llama, rollouts, marker="sparse")
+    assert seen == ["sparse"]
+
+
+def test_mismatch_stats_alpha_is_summed_in_float64():
+    # alpha sums min(p_dense, p_sparse) over k = 64 ids: exponentiated and summed in fp32 (then cast), alpha_mean is
+    # off by ~1e-7, the size of the tail statistic's margin at a p05 near 0.86 over millions of tokens. Reference:
+    # a plain-Python loop over the same fp32 log-probs, in Python's float64
+    g = torch.Generator().manual_seed(3)
+    topk_dense = torch.log_softmax(torch.randn(2, 3, 64, generator=g), -1)
+    topk_sparse = torch.log_softmax(torch.randn(2, 3, 64, generator=g), -1)
+    alphas = [sum(min(math.exp(a), math.exp(b)) for a, b in zip(topk_dense[i, t].tolist(), topk_sparse[i, t].tolist()))
+              for i in range(2) for t in range(3)]
+    stats = mismatch_stats(Z, Z, torch.ones(2, 3), topk_dense, topk_sparse)
+    assert stats["alpha_mean"] == pytest.approx(sum(alphas) / 6, rel=1e-13, abs=0)
