@@ -400,3 +400,97 @@ def test_table_3_times_a_warm_rescoring(monkeypatch, tmp_path):
     bench_gpu.table_3(model, s, bench_gpu.Report(tmp_path / "t.md"), record)
     assert calls == [4, 4, 2, 2] and {b: r["seconds"] for b, r in record["rescore"].items()} == {4: 1.0, 2: 1.0}
     assert "\n| 4 | n/a | 0.25 MiB | 1.00 |" in (tmp_path / "t.md").read_text()
+
+
+def test_plan_of_an_evicting_row_whose_prompt_is_already_past_budget_plus_interval():
+    # Pins plan's max(1, ...): a prompt of 50 over budget 16 + interval 8 is kept whole until the first decode step
+    # compresses it (test_rollout_kv_tokens_is_the_peak_the_sampler_holds: 51 tokens, then budget), so the steady state
+    # begins after 1 feed call, not 0: skip = 1 + warm 4; steps = 5 + window 16, the window's first context 50 + 5.
+    # Table 4's budget argument, not the settings': budget 40 + 8 - 32 = 16 feed calls + 4 warm
+    s = dict(bench_gpu.TINY, prompt=50, budget=16, interval=8)
+    assert bench_gpu.plan(s, "snapkv", "any") == (50, 21, 55)
+    assert bench_gpu.plan(bench_gpu.TINY, "snapkv", "any", budget=40) == (32, 36, 52)
+
+
+def test_kv_read_bytes_of_block_top_k_reads_the_pages_of_the_budget_it_is_given():
+    # Pins kv_read_bytes's budget argument on the block top-k branch (the eviction branch is pinned above): the
+    # 1.7B shape at context 4096 and budget 1024: 26 sparse layers read 1024 // 16 + 3 = 67 pages = 1072 tokens (the
+    # settings' budget 512 would be 560), 2 dense layers 4096, and 4096 / 16 = 256 page key sums of 262144 bytes
+    s = dict(layers=28, hidden=2048, heads=16, kv_heads=8, ffn=6144, vocab=151936, batch=64, budget=512, interval=128)
+    assert bench_gpu.kv_read_bytes(s, "blocktopk", 4096, 64, budget=1024) == 262144 * (2 * 4096 + 26 * 1072 + 26 * 256)
+
+
+def test_size_at_exactly_1_gib_and_at_0_bytes():
+    # Pins size's edges: 2^30 bytes are "1.00 GiB" (not "1024.00 MiB", a strict >), and 0 bytes are "0.00 MiB", a
+    # measurement, not "n/a" (that is None's: a CPU's peak), as `not n` would print
+    assert [bench_gpu.size(2**30), bench_gpu.size(0)] == ["1.00 GiB", "0.00 MiB"]
+
+
+def test_largest_batch_never_tries_past_the_cap():
+    # Pins largest_batch's two caps: a start above the cap begins at the cap (64 > 16: one try, at 16), and doubling
+    # stops at the cap, not at the next power of two times start (4, 8, 16, then 20, not 32)
+    assert bench_gpu.largest_batch(lambda b: True, 64, 16) == (16, [(16, True)])
+    assert bench_gpu.largest_batch(lambda b: True, 4, 20) == (20, [(4, True), (8, True), (16, True), (20, True)])
+    assert bench_gpu.largest_batch(lambda b: b <= 20, 64, 16) == (16, [(16, True)])
+
+
+def test_a_fit_test_lets_an_error_that_is_not_out_of_memory_through(monkeypatch):
+    # Pins fits' except clause: only running out of memory means "does not fit"; any other error (a bug in the
+    # sampler) must reach attempt() as the row's error, not shrink the batch search to 0 silently
+    s = dict(bench_gpu.TINY)
+    model = bench_gpu.qwen3_model(s, torch.device("cpu"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug, not memory")
+    monkeypatch.setattr(bench_gpu, "generate", broken)
+    sparse = SparseConfig("full", budget=s["search_budget"], interval=s["interval"])
+    with pytest.raises(RuntimeError, match="a bug, not memory"):
+        bench_gpu.fits(model, s, sparse, 2, {})
+
+
+def test_the_targets_name_their_rows_by_hand(tmp_path):
+    # Pins the targets' names (their numbers are pinned above) on TINY: each names the lengths its ratio compares
+    # and the README's threshold, so a swapped length or threshold in a label misreports what was measured
+    record = dict(rows={}, shape={}, batch={})
+    bench_gpu.targets(bench_gpu.TINY, bench_gpu.Report(tmp_path / "t.md"), record)
+    assert list(record["targets"]) == [
+        "our dense >= 1.0x HF generate, tiny shape, bf16 (32+64; 32+128)",
+        "our dense >= 1.0x HF generate, bench.py's FULL shape, bf16",
+        "eviction (slowest of 4) >= dense at 32+64",
+        "eviction (slowest) > dense at 32+128",
+        "snapkv at budget 48 fits >= 2x dense's batch at 32+96",
+        "... and turns it into more tokens/s",
+        "dense captured >= 4x HF generate at 32+64",
+        "snapkv captured >= 1.4x dense captured at 32+64; >= 2x at 32+128"]
+    # nothing measured (a run cut short before table 1): every target reads "-", the batch one too, not "None / None = -"
+    assert list(record["targets"].values()) == ["-; -", "-", "-", "-", "-", "-", "-", "-; -"]
+
+
+def test_a_failed_row_frees_what_it_held(tmp_path, monkeypatch):
+    # Pins attempt's reset_peak after an error: on a GPU it empties the allocator's cache and its peak, so the rows
+    # after a failed one (often out of memory) start clean; a CPU run never shows the difference, a recording fake does
+    freed = []
+    monkeypatch.setattr(bench_gpu, "reset_peak", freed.append)
+    report, record = bench_gpu.Report(tmp_path / "a.md"), dict(errors={}, device="the device")
+    report.table("### A", ["row", "value"])
+    assert bench_gpu.attempt(record, report, "a row", ["x"], lambda: 1 / 0) is None
+    assert freed == ["the device"] and record["errors"] == {"a row": "ZeroDivisionError: division by zero"}
+    assert bench_gpu.attempt(record, report, "b row", ["y"], lambda: 7) == 7 and freed == ["the device"]
+
+
+@pytest.mark.parametrize("policy, slots", [("full", 32 + 96), ("snapkv", 48 + 8)])
+def test_a_fit_test_sizes_the_cache_for_the_whole_search_rollout(policy, slots, monkeypatch):
+    # Pins fits' rollout: the real prompt (32) + search_new (96) tokens, so a dense cache asks for 128 slots a layer at
+    # the prefill (a prompt one token short, or `new` for `search_new`, would fit a batch the whole rollout cannot);
+    # an evicting one budget 48 + interval 8, whatever the length
+    real, capacities = kvcache.Layer.__init__, []
+
+    def recording(layer, key, capacity, *args, **kwargs):
+        capacities.append(capacity)
+        real(layer, key, capacity, *args, **kwargs)
+    monkeypatch.setattr(kvcache.Layer, "__init__", recording)
+    s = dict(bench_gpu.TINY)
+    model = bench_gpu.qwen3_model(s, torch.device("cpu"))
+    sparse = SparseConfig(policy, budget=s["search_budget"], interval=s["interval"])
+    assert bench_gpu.fits(model, s, sparse, 2, {})
+    assert capacities and set(capacities) == {slots}
