@@ -387,9 +387,10 @@ def print_calibration(args, p):
     span = lambda r: f"{r['bins'][0]}-{r['bins'][1] - 1}"
     header = ["context", *(f"at {c}" for c in candidates), "chosen", "tail", "tokens"]
     print(f"Tail alpha (p05) per context bin at each constant candidate budget ({args.policy}), then the chosen "
-          f"budget (the smallest holding {threshold}, non-decreasing) and the tail re-measured under the whole "
-          "schedule\n\n" + markdown(header, [[span(r), *map(cell, r["profile"]), r["budget"] or "dense",
-                                               cell(r["tail"]), r["tokens"]] for r in rows]))
+          f"budget (the smallest holding {threshold}, non-decreasing, raised where the whole schedule fell short) and "
+          "the tail re-measured under the whole schedule\n\n" +
+          markdown(header, [[span(r), *map(cell, r["profile"]), r["budget"] or "dense", cell(r["tail"]), r["tokens"]]
+                            for r in rows]))
     below = [f"{span(r)} ({r['tail']:.2f})" for r in rows if r["tail"] < threshold]
     if below:   # calibrate stopped: no bin up to these evicts (or skips pages), so no budget can lift them
         print(f"below {threshold} with no bin to raise (none drops tokens: the mismatch is not the budget's): "
