@@ -74,13 +74,33 @@ def test_ops_per_step_spreads_one_compression_over_its_interval(monkeypatch, cap
     assert ops_per_step(model, prompts, sparse, captured) == period / 4
 
 
+def fake_profiler(monkeypatch, rows, rollout):
+    """torch.profiler.profile replaced by a profiler whose key_averages are the events `rows()` gives, and
+    bench_static.generate by `rollout`; -> a model stand-in on the CPU, for bench_static.profile."""
+    from torch.autograd.profiler_util import EventList
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+        __enter__ = lambda self: self
+        __exit__ = lambda self, *exc: None
+
+        def key_averages(self):
+            events = EventList(rows(), use_device="cuda")
+            events._build_tree()     # as the profiler does: the ops' parents and children, from their times
+            return events.key_averages()
+    monkeypatch.setattr(bench_static, "generate", rollout)
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    return type("M", (), dict(device=torch.device("cpu")))()
+
+
 def test_profile_counts_each_kernels_time_once(monkeypatch, capsys):
     """--profile's device kernels a step: the profiler gives a kernel's time a row of its own and again in the row
     of the op that launched it (as CUDA's profile does: aten::mm's Self CUDA = its kernels'). By hand, 4 steps: a
     6 ms matrix product and a 2 ms copy, 8 ms over 4 steps = 2.0 ms a step (every row summed: 4.0), and 8 launches,
     2 a step: 4 by the runtime's cudaLaunchKernel, 3 by the driver's cuLaunchKernelEx (cuBLAS may call it), a graph."""
     from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import EventList, FunctionEvent
+    from torch.autograd.profiler_util import FunctionEvent
 
     def rollout(*args, **kwargs):
         return type("R", (), dict(stats=dict(seconds=0.04)))()
@@ -95,19 +115,7 @@ def test_profile_counts_each_kernels_time_once(monkeypatch, capsys):
         return events + [FunctionEvent(20 + i, name, 0, 30_000 + 10 * i, 30_005 + 10 * i, use_device="cuda",
                                        stack=[]) for i, name in enumerate(launch)]
 
-    class Profile:
-        def __init__(self, activities):
-            pass
-        __enter__ = lambda self: self
-        __exit__ = lambda self, *exc: None
-
-        def key_averages(self):
-            events = EventList(rows(), use_device="cuda")
-            events._build_tree()     # as the profiler does: the ops' parents and children, from their times
-            return events.key_averages()
-    monkeypatch.setattr(bench_static, "generate", rollout)
-    monkeypatch.setattr(torch.profiler, "profile", Profile)
-    model = type("M", (), dict(device=torch.device("cpu")))()
+    model = fake_profiler(monkeypatch, rows, rollout)
     bench_static.profile(model, [[1, 2]], SparseConfig("full"), 4)
     out = capsys.readouterr().out
     assert "full, eager: 10.0 ms a step under the profiler, device kernels 2.0 ms a step, 2 launches a step" in out
@@ -379,7 +387,7 @@ def test_profile_runs_eager_then_captured_and_counts_graph_launches_not_annotati
     path: eager twice, then captured twice, each printed under its name (a pass dropped, or `captured` not passed
     on, prints or times one path only)."""
     from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import EventList, FunctionEvent
+    from torch.autograd.profiler_util import FunctionEvent
 
     calls = []
 
@@ -397,19 +405,7 @@ def test_profile_runs_eager_then_captured_and_counts_graph_launches_not_annotati
         return events + [FunctionEvent(10 + i, name, 0, 40_000 + 10 * i, 40_005 + 10 * i, use_device="cuda", stack=[])
                          for i, name in enumerate(launch)]
 
-    class Profile:
-        def __init__(self, activities):
-            pass
-        __enter__ = lambda self: self
-        __exit__ = lambda self, *exc: None
-
-        def key_averages(self):
-            events = EventList(rows(), use_device="cuda")
-            events._build_tree()
-            return events.key_averages()
-    monkeypatch.setattr(bench_static, "generate", rollout)
-    monkeypatch.setattr(torch.profiler, "profile", Profile)
-    model = type("M", (), dict(device=torch.device("cpu")))()
+    model = fake_profiler(monkeypatch, rows, rollout)
     bench_static.profile(model, [[1, 2]], SparseConfig("full"), 2)
     out = capsys.readouterr().out
     assert calls == [(2, False), (2, False), (2, True), (2, True)]
