@@ -43,8 +43,9 @@ def kept_fractions(model, tokenizer, prompt, sparse, max_new_tokens):
     out = generate(model, [encode_prompt(tokenizer, prompt)], sparse, max_new_tokens, temperature=0,
                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, record=True)
     L = len(encode_prompt(tokenizer, prompt)) + out.tokens.shape[1]
-    held = torch.stack([F.one_hot(k[:, 0].clamp(min=0).long(), L + 1)[..., :L].masked_fill((k[:, 0] < 0)[..., None], 0)
-                        .amax(-2).float() for k in out.kept])        # [layers, steps, H_kv, L]: held or not
+    held = torch.stack([F.one_hot(k[:, 0].clamp(min=0).long(), L + 1)[..., :L]     # (kept: int16 positions)
+                        .masked_fill((k[:, 0] < 0)[..., None], 0).amax(-2).float()
+                        for k in out.kept])                           # [layers, steps, H_kv, L]: held or not
     return held.mean((0, 2)), out.tokens[0, : int(out.mask.sum())].tolist()
 
 

@@ -254,10 +254,11 @@ NUMBER = r"[-−]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
 # The number a final answer starts with: a sign ("-" or "−"), maybe a dollar sign ("-$5", "$-5"), then 1,234.5
 # (commas only between groups of three digits), 72, 2.50 or .5; never followed by more digits, by ",5" or a closing
 # "," ("1,5" is no number we can read: not 15, not 1.5; "1," is "1,000" cut short), by a space and digits ("1 000",
-# "3 4"), by a list or a time ("3, 4", "3:30"), nor by an operator and a number ("3/4", "7 1/2", "2^10", "10**3", "3 * 4", "3 x 4", "3·4", "18 ÷ 2",
-# "18 - 5", "18 − 5", "1e3" are none of 3, 7, 2, 10, 3, 3, 3, 18, 18, 18 or 1; "#### 18" with "- 5" on the next
-# line is 18: the marker's answer ends with its line), nor by a LaTeX fraction or root ("1\frac{1}{2}", "3\over 4",
-# "5\sqrt{2}"; `_plain` turns \times, \cdot, \div and \ast into ×, ·, ÷ and *, and "2^{10}" is a power as "2^10" is).
+# "3 4"), by a list or a time ("3, 4", "3:30"), nor by an operator and a number ("3/4", "7 1/2", "2^10", "10**3",
+# "3 * 4", "3 x 4", "3·4", "18 ÷ 2", "18 - 5", "18 − 5", "1e3" are none of 3, 7, 2, 10, 3, 3, 3, 18, 18, 18 or 1;
+# "#### 18" with "- 5" on the next line is 18: the marker's answer ends with its line), nor by a LaTeX fraction or
+# root ("1\frac{1}{2}", "3\over 4", "5\sqrt{2}"; `_plain` turns \times, \cdot, \div and \ast into ×, ·, ÷ and *, and
+# "2^{10}" is a power as "2^10" is).
 _LEADING_NUMBER = re.compile(r"\s*([-−]?)\s*\$?\s*([-−]?)\s*(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
                              r"(?![\d,]*,\d|\d|\.\d|,\s*(?:$|[-−]?\.?\d)|:\d|\s+\.?\d"
                              r"|\s*(?:\*\*|[*/^×·x÷])\s*\{?\s*[-−]?\.?\d|\s*[-+−–]\s*\$?\.?\d|[eE][+-]?\d"
