@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -672,6 +673,33 @@ def test_rl_step_gives_the_loss_what_the_flags_say_against_a_plain_recomputation
         at += n
     assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-6)
     assert metrics["mean_weight"] == pytest.approx(((weights * kept).sum() / kept.sum()).item(), rel=1e-4)
+    # The step's mismatch metrics, written to metrics.jsonl (test_a_run_writes_every_metric_and_a_loadable_checkpoint
+    # only checks that their keys are there), over the 8 trained rows' sampled tokens, by hand from pi_old's plain
+    # forward pass: rho = pi_old / pi_sparse, k1 = -log rho, k3 = rho - 1 - log rho; alpha = sum_v min(p_old,
+    # p_sparse) over the sampler's top-k ids (the toy's 34 <= 64: the whole vocabulary) at T, pooled and per bin of
+    # --bin-size (context = prompt + t); a group whose kept pair earned the same reward is a zero-std group.
+    # Mutants caught: mismatch_stats handed (sparse, dense) (rho inverted), bin_metrics handed rho for alpha.
+    log_rho = (old[rows] - rollouts.logprobs[rows])[real].double()
+    for key, value in (("rho_mean", log_rho.exp().mean()), ("rho_min", log_rho.exp().min()),
+                       ("kl_k1", (-log_rho).mean()), ("kl_k3", (log_rho.exp() - 1 - log_rho).mean())):
+        assert metrics[key] == pytest.approx(value.item(), rel=1e-4, abs=1e-6), key
+    alphas, contexts = [], []
+    for i in rows:
+        n, P = lengths[i], len(rollouts.prompts[i])
+        with torch.no_grad():
+            logits = pi_old(torch.tensor([rollouts.prompts[i] + rollouts.tokens[i, :n].tolist()])).logits[0]
+        p_old = (logits[P - 1: P - 1 + n].double() / T).softmax(-1).gather(-1, rollouts.topk_ids[i, :n])
+        alphas.append(torch.minimum(p_old, rollouts.topk_logprobs[i, :n].double().exp()).sum(-1))
+        contexts += range(P, P + n)
+    alphas, contexts = torch.cat(alphas), torch.tensor(contexts)
+    assert rollouts.topk_ids.shape[-1] == 34 and alphas.min() < 0.999                  # the mismatch is there
+    assert metrics["alpha_mean"] == pytest.approx(alphas.mean().item(), abs=1e-5)
+    assert metrics["alpha_p05"] == pytest.approx(float(np.quantile(alphas.numpy(), 0.05)), abs=1e-5)
+    bins = contexts // args.bin_size
+    assert metrics["tokens_by_bin"] == [int((bins == b).sum()) for b in range(int(bins.max()) + 1)]
+    assert metrics["alpha_p05_by_bin"] == [pytest.approx(float(np.quantile(alphas[bins == b].numpy(), 0.05)), abs=2e-4)
+                                           if (bins == b).any() else None for b in range(int(bins.max()) + 1)]
+    assert metrics["zero_std_groups"] == sum(len({rewards[i] for i in rows if i // 4 == g}) == 1 for g in range(4))
     (before, after), = norms                                          # one AdamW step, its gradient clipped to 1
     assert before > 1 and after == pytest.approx(1.0, rel=1e-4)
 
