@@ -403,9 +403,22 @@ def toy_warm_up(folder):
     (Path(folder) / "warmup.json").write_text(json.dumps(dict(task="pick", digits=[3, 4])))
 
 
-def test_calibrate_command_line_takes_device_and_dtype_and_its_schedule_feeds_speedup(tmp_path, capsys):
+def test_calibrate_command_line_takes_device_and_dtype_and_its_schedule_feeds_speedup(tmp_path, capsys, monkeypatch):
     # as train.py: --device and --dtype (bfloat16 under autocast); a random toy model holds no budget, so every
     # bin ends dense or at a candidate, and the schedule file reads back
+    # Pins what `set(budgets) <= {8, 12, None}` let through: every sampling and re-scoring (`measure`, read as it
+    # runs) is on the CPU under bf16 autocast, with the warm-up task's cache settings (pick: TOY's interval 4,
+    # window 4, sink 2) and bins of its 16 tokens, as many as cover the longest prompt + 12 new tokens
+    # (`bins_for`, the prompts' lengths by brute force); the printed table's chosen column is the file's budgets.
+    # Mutants caught: print_calibration's autocast given "float32" (the flag dropped); calibrate handed bin_size 8
+    seen = []
+    real = S.measure
+
+    def watched(model, prompts, sparse, *a, **k):
+        seen.append((torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"), model.device.type,
+                     (sparse.policy, sparse.interval, sparse.window, sparse.sink)))
+        return real(model, prompts, sparse, *a, **k)
+    monkeypatch.setattr(S, "measure", watched)
     toy_warm_up(tmp_path / "m")
     S.main(["--calibrate", "--model", str(tmp_path / "m"), "--prompts", "4", "--candidates", "8,12",
                    "--device", "cpu", "--dtype", "bfloat16", "--out", str(tmp_path / "s.json"),
@@ -414,6 +427,12 @@ def test_calibrate_command_line_takes_device_and_dtype_and_its_schedule_feeds_sp
     assert set(written.budgets) <= {8, 12, None}
     out = capsys.readouterr().out
     assert "wrote" in out and f"as calibrated: {list(written.budgets)} from {list(written.bins)}" in out
+    assert len(seen) >= 3 and set(seen) == {(torch.bfloat16, "cpu", ("snapkv", 4, 4, 2))}   # 2 candidates + 1 schedule
+    longest = max(len(tasks.encode_prompt(tasks.char_tokenizer(), e["prompt"]))
+                  for e in tasks.make_examples("pick", 4, 0, 3, 4))
+    assert written.bins == tuple(range(0, 16 * bins_for(longest, 12, 16), 16))
+    chosen = [row.split("|")[4].strip() for row in out.splitlines() if re.match(r"\| \d+-\d+ \|", row)]
+    assert chosen == ["dense" if b is None else str(b) for b in written.budgets]
 
 
 def test_calibration_refuses_a_response_past_the_models_positions_before_sampling(tmp_path, capsys, monkeypatch):
