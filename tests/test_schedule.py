@@ -245,10 +245,16 @@ def test_a_schedule_sets_the_budget_of_each_compression(model):
     out = generate(model, PROMPTS[-2:], SparseConfig(**{**vars(SPARSE), "schedule": schedule}),
                    max_new_tokens=20, record=True)
     kept = [(s[:, 0] >= 0).sum(-1) for s in out.kept[0]]                # [B] valid kept tokens per step
+    contexts = []
     for step in range(1, len(kept) - 1):
         for b, prompt in enumerate(PROMPTS[-2:]):
             if kept[step + 1][b] < kept[step][b]:                         # compressed at step + 1
                 assert kept[step + 1][b] == schedule(len(prompt) + step + 1)
+                contexts.append(len(prompt) + step + 1)
+    # compressions in both bins, at 6 and at 12: else the loop checks nothing (a scheduled cache that never
+    # evicted passed it). Mutant caught: a scheduled cache treated as one that never evicts (KVCache.start_step's
+    # `evicts` and KVCache.capacity as for full)
+    assert contexts and min(contexts) < 24 <= max(contexts)
     assert Schedule((0, 24), (6, None))(torch.tensor([3, 30])).tolist() == [6, DENSE]
 
 
