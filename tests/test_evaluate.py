@@ -274,10 +274,20 @@ def test_evaluate_only_prints_each_accuracy_to_three_decimals(monkeypatch, capsy
                     f"| {SPARSE.name} | 0.143 |"]
 
 
-def test_run_inference_times_its_own_work(toy):
+def test_run_inference_times_its_own_work(toy, monkeypatch):
     # seconds: the time run_inference took, between two readings of a clock taken around it by hand (not the
     # clock's reading at the end, nor the start minus the end)
     model, tokenizer, examples = toy
     before = time.perf_counter()
     row = evaluate.run_inference(model, tokenizer, examples[:2], exact_match, SPARSE, 4, 2)
     assert 0 < row["seconds"] <= time.perf_counter() - before
+    # and all of it: a clock that ticks once a read and records what had run before each read must be read
+    # before the first batch's sampling and after the last batch's re-scoring, 3 batches of 7 prompts at 3, and
+    # nowhere else (the loose bound above let through a clock restarted at each batch: the last batch alone)
+    done, ticks, read = [], iter(range(100)), []
+    for module, name in ((evaluate, "generate"), (evaluate.C, "dense_logprobs")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: done.append(name) or real(*a, **k))
+    monkeypatch.setattr(evaluate, "clock", lambda device: read.append(list(done)) or float(next(ticks)))
+    row = evaluate.run_inference(model, tokenizer, examples, exact_match, SPARSE, 4, 3)
+    assert read == [[], ["generate", "dense_logprobs"] * 3] and row["seconds"] == 1.0
