@@ -491,6 +491,14 @@ def test_steps_0_evaluates_the_warm_up_dense_and_under_each_cache(tmp_path, warm
     streaming = train.sparse_config(args, "streaming", 6)
     expect = accuracy(eval_rewards(model, tokenizer, held_out, reward_fn("sort"), streaming, args.max_new_tokens))
     assert results["streaming, budget 6"] == expect
+    # every row, against caches built by hand from SMALL's flags and the toy's (interval 2, window 2, sink 2),
+    # not by train.sparse_config (the reference above is the code's own): a mutant whose evaluation caches lost
+    # --interval (SparseConfig's 128: no eviction in 10 new tokens, every row the dense one's) passed
+    by_hand = {"dense": SparseConfig("full")} | {f"{p}, budget {b}": SparseConfig(p, b, interval=2, window=2, sink=2)
+                                                 for p in ("snapkv", "streaming") for b in (6, 10)}
+    expect = {name: accuracy(eval_rewards(model, tokenizer, held_out, reward_fn("sort"), c, 10))
+              for name, c in by_hand.items()}
+    assert results == expect and len(set(expect.values())) > 2
     assert "| snapkv, budget 10 |" in capsys.readouterr().out
     assert not (tmp_path / "metrics.jsonl").exists() and not list(tmp_path.glob("step-*"))
 
