@@ -553,12 +553,24 @@ def test_calibration_names_a_warmup_json_that_holds_no_run(tmp_path, capsys, tex
     assert re.search(message, capsys.readouterr().err)
 
 
-def test_speedup_of_a_long_schedule_at_a_short_context_leaves_out_the_stretched_row(tmp_path, capsys):
+def test_speedup_of_a_long_schedule_at_a_short_context_leaves_out_the_stretched_row(tmp_path, capsys, monkeypatch):
     # stretched to fewer tokens than it spans, a schedule's bins would merge: that row is left out
     piecewise([0, 16, 32], [8, 12, 16]).save(tmp_path / "s.json")
     S.main(["--speedup", str(tmp_path / "s.json"), "--context", "2", "--batch", "1"])
     out = capsys.readouterr().out
     assert "as calibrated" in out and "stretched" not in out and "constant budget 8192" in out
+    # and at a long context the row is there, priced on the schedule stretched by hand: its last bin ends at
+    # 32 + 16 = 48, so 4800 tokens stretch it x100, bins and budgets alike. Only strings were checked: mutants
+    # that priced the unstretched schedule, or stretched from the last bin's start (x150), passed
+    priced = []
+    monkeypatch.setattr(cost, "speedup", lambda config, schedule, context, **k: priced.append((schedule, context))
+                        or 1.0)                                       # what cost.speedup_table calls
+    S.main(["--speedup", str(tmp_path / "s.json"), "--context", "4800", "--batch", "1"])
+    assert "the same stretched x100 to 4800 tokens" in capsys.readouterr().out
+    shapes = len(cost.QWEN3)
+    assert priced == [(s, 4800) for s in (piecewise([0, 16, 32], [8, 12, 16]),
+                                          piecewise([0, 1600, 3200], [800, 1200, 1600]),
+                                          constant(8192), constant(4096), constant(2048)) for _ in range(shapes)]
 
 
 @pytest.mark.parametrize("argv, pages", [([], dict(page_size=16, dense_layers=2)),   # Sparrow's, as --help says
