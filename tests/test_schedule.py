@@ -425,6 +425,8 @@ def test_calibrate_command_line_takes_device_and_dtype_and_its_schedule_feeds_sp
                      (sparse.policy, sparse.interval, sparse.window, sparse.sink)))
         return real(model, prompts, sparse, *a, **k)
     monkeypatch.setattr(S, "measure", watched)
+    rows, calibrate_ = [], S.calibrate
+    monkeypatch.setattr(S, "calibrate", lambda *a, **k: rows.append(calibrate_(*a, **k)) or rows[-1])
     toy_warm_up(tmp_path / "m")
     S.main(["--calibrate", "--model", str(tmp_path / "m"), "--prompts", "4", "--candidates", "8,12",
                    "--device", "cpu", "--dtype", "bfloat16", "--out", str(tmp_path / "s.json"),
@@ -439,6 +441,10 @@ def test_calibrate_command_line_takes_device_and_dtype_and_its_schedule_feeds_sp
     assert written.bins == tuple(range(0, 16 * bins_for(longest, 12, 16), 16))
     chosen = [row.split("|")[4].strip() for row in out.splitlines() if re.match(r"\| \d+-\d+ \|", row)]
     assert chosen == ["dense" if b is None else str(b) for b in written.budgets]
+    # the line under the table, from calibrate's rows by hand: the smallest candidate whose profile holds 0.86 in
+    # every bin (an empty bin, nan, holds). Mutant caught: the largest such candidate printed (holds[-1])
+    holding = [c for k, c in enumerate((8, 12)) if all(not r["profile"][k] < THRESHOLD for r in rows[0][1])]
+    assert holding and f"the smallest constant budget holding {THRESHOLD} in every bin: {holding[0]}" in out
 
 
 def test_calibration_refuses_a_response_past_the_models_positions_before_sampling(tmp_path, capsys, monkeypatch):
