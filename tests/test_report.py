@@ -12,6 +12,7 @@ import pytest
 import report
 import train
 from kvcache import SparseConfig
+from tasks import numeric_reward
 from test_train import SMALL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -305,19 +306,26 @@ def test_inference_runs_the_first_limit_questions_and_compares_each_row_to_the_d
     data = tmp_path / "q.jsonl"
     data.write_text("".join(json.dumps(dict(prompt=f"{i} + 1 =", answer=str(i + 1))) + "\n" for i in range(5)))
     monkeypatch.setattr(report, "load_pretrained", lambda *a, **k: ("model", "tokenizer"))
-    calls = []
+    calls, handed = [], []
 
     def run_inference(model, tokenizer, examples, reward, sparse, max_new_tokens, batch_size, adapter):
         calls.append((sparse.policy, None if sparse.policy == "full" else sparse.budget, [e["prompt"] for e in examples]))
+        handed.append((sparse, reward, max_new_tokens, batch_size, adapter))
         mib = 10 if sparse.policy == "full" else sparse.budget / 8 * (1.5 if sparse.policy == "h2o" else 1)
         return dict(accuracy=len(calls) / 10, peak_kv_bytes=int(mib * 2**20), alpha_mean=1 - len(calls) / 100,
                     alpha_p05=0.5, tokens=10 * len(examples), seconds=2.0)
     monkeypatch.setattr(report, "run_inference", run_inference)
     report.main(["inference", "--data", str(data), "--limit", "3", "--policies", "snapkv", "h2o",
-                 "--budgets", "8", "16", "--interval", "4", "--window", "2", "--sink", "2"])
+                 "--budgets", "8", "16", "--interval", "4", "--window", "3", "--sink", "2", "--batch-size", "5"])
     text = capsys.readouterr().out
     first3 = ["0 + 1 =", "1 + 1 =", "2 + 1 ="]                                # --limit 3: three, the first three
     assert calls == [("full", None, first3)] + [(p, b, first3) for b in (8, 16) for p in ("snapkv", "h2o")]
+    # each cache whole (interval 4, window 3, sink 2: a window and sink swapped showed nothing at 2 and 2), the
+    # numeric reward of the --data answers, 256 new tokens, --batch-size, no adapter. Mutants caught: window and
+    # sink swapped in inference's SparseConfig, exact_match handed for numeric_reward
+    assert handed == [(c, numeric_reward, 256, 5, None) for c in [SparseConfig("full")] + [
+        SparseConfig(p, b, 4, 3, 2) for b in (8, 16) for p in ("snapkv", "h2o")]]
+    assert "interval 4, window 3, sink 2; peak KV summed over batches of 5" in text
     assert f"3 questions of {data}, greedy, 256 new tokens" in text
     rows = [[c.strip() for c in row.strip("|").split("|")] for row in text.splitlines()
             if row.startswith("| ") and not row.startswith("| rollout")]
