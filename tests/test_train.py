@@ -561,7 +561,8 @@ def test_the_longest_toy_prompt_by_brute_force():
         assert train.longest_prompt(args, None, None, tok) == seen == {"pick": 27, "sort": 11}[task]
     # a --data run: the longest of its training and held-out prompts, by brute force over both (here a held-out
     # one, 9 digits; the training ones hold 2-6). Mutant caught: the training prompts alone (longest 9, not 12)
-    data = [dict(prompt="S" + "7" * n + "=", answer="") for n in (2, 6, 4)], [dict(prompt="S" + "3" * 9 + "=", answer="")]
+    data = ([dict(prompt="S" + "7" * n + "=", answer="") for n in (2, 6, 4)],
+            [dict(prompt="S" + "3" * 9 + "=", answer="")])
     seen = max(len(encode_prompt(tok, e["prompt"])) for e in data[0] + data[1])
     assert train.longest_prompt(train.parse_args([]), *data, tok) == seen == 12
 
