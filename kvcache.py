@@ -370,12 +370,8 @@ class KVCache(Cache):
         masked = not self.decoding or layer.holes or sliding_window is not None
         keys, values, key_pos = layer.keys, layer.values, layer.pos
         if layer.page_size and self.decoding:   # block top-k, past the dense layers (`update` gave it its pages)
-            # the step's first sparse layer makes it, and so does one whose sliding window differs (Qwen2's
-            # `layer_types` may mix full and sliding layers): page_plan drops the pages past the window
-            if self.plan_pages is None or self.plan_pages.window != sliding_window:
-                self.plan_pages = page_plan(layer.page_count, self.top, self.top_k, layer.pos, sparse.page_size,
-                                            self.step_pos, sliding_window)
-            index, key_pos = top_pages(layer, query, self.plan_pages, layer.pos)
+            plan = self.plan_for(layer, self.top, self.top_k, layer.pos, self.step_pos, sliding_window)
+            index, key_pos = top_pages(layer, query, plan, layer.pos)
             (keys, values), masked = layer.gather(index), True
         out, received = attention(query, keys, values, key_pos, self.step_pos, scaling, sliding_window,
                                   masked=masked, weights=sparse.policy == "h2o")
@@ -384,6 +380,14 @@ class KVCache(Cache):
         if self.history is not None:
             self.history[layer_idx].append(key_pos.to(self.record_dtype, copy=True))
         return out
+
+    def plan_for(self, layer, top, k, pos, query_pos, sliding_window):
+        """Block top-k: the step's `policies.page_plan`, made by its first sparse layer and again by one whose
+        sliding window differs (Qwen2's `layer_types` may mix full and sliding layers: the plan drops the pages
+        past the window); the other layers reuse it."""
+        if self.plan_pages is None or self.plan_pages.window != sliding_window:
+            self.plan_pages = page_plan(layer.page_count, top, k, pos, self.sparse.page_size, query_pos, sliding_window)
+        return self.plan_pages
 
     def get_seq_length(self, layer_idx=0):
         """The tokens fed before the step `start_step` announced, padding included (the model numbers its tokens

@@ -39,7 +39,7 @@ import torch
 
 from hook import attention
 from kvcache import KVCache
-from policies import attended_pages, page_plan, top_pages
+from policies import attended_pages, top_pages
 
 # A step reads the held slots rounded up to a multiple of SPAN (or the whole buffer, if shorter): at 512 + 1536,
 # 64 slots more than it holds on average, one graph captured per 128 steps; a multiple of 16 keeps the attention
@@ -133,12 +133,8 @@ class StaticCache(KVCache):
         span = slice(0, self.span)
         keys, values, key_pos = layer.k_buf[:, :, span], layer.v_buf[:, :, span], layer.pos_buf[:, :, span]
         if layer.page_size:                     # block top-k, past the dense layers (`KVCache.update`)
-            # in the graph, by the step's first sparse layer (start_step cleared it) or one with another sliding
-            # window (`KVCache.attend`)
-            if self.plan_pages is None or self.plan_pages.window != sliding_window:
-                self.plan_pages = page_plan(layer.page_count, self.pages, self.k_pages, key_pos, sparse.page_size,
-                                            self.now, sliding_window)
-            index, key_pos = top_pages(layer, query, self.plan_pages, key_pos)
+            plan = self.plan_for(layer, self.pages, self.k_pages, key_pos, self.now, sliding_window)   # in the graph
+            index, key_pos = top_pages(layer, query, plan, key_pos)
             keys, values = layer.gather(index)
         out, received = attention(query, keys, values, key_pos, self.now, scaling, sliding_window,
                                   weights=sparse.policy == "h2o")

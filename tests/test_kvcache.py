@@ -281,8 +281,7 @@ def test_every_sparse_layer_of_a_step_shares_one_page_plan(monkeypatch, captured
     sparse = SparseConfig("blocktopk", budget=4, page_size=4, dense_layers=1)
     prompts = [list(range(1, 21)), [3, 4, 5]]
     calls, page_plan = [], kvcache.page_plan
-    monkeypatch.setattr(kvcache, "page_plan", lambda *a: calls.append(1) or page_plan(*a))
-    monkeypatch.setattr(static, "page_plan", kvcache.page_plan)
+    monkeypatch.setattr(kvcache, "page_plan", lambda *a: calls.append(1) or page_plan(*a))   # static's too
     shared = generate(model, prompts, sparse, max_new_tokens=24, temperature=1.0, seed=3, captured=captured)
     assert len(calls) == 23                                            # one a decode step
     for cls in (kvcache.KVCache, static.StaticCache):
