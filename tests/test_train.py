@@ -937,6 +937,21 @@ def test_a_data_file_that_leaves_exactly_a_steps_prompts_trains_on_all_of_them(t
     assert len(training) == 9 and [e["answer"] for e in held_out] == ["10", "11", "12"]
 
 
+
+def test_an_eval_file_shorter_than_eval_size_is_evaluated_whole_and_said(tmp_path, capsys):
+    # --eval-data of 5 examples at --eval-size 8 evaluated those 5 without a word: a run's accuracy over fewer prompts
+    # than asked for; at --eval-size 5 (what it holds) or less, nothing is said
+    data, held = tmp_path / "d.jsonl", tmp_path / "h.jsonl"
+    data.write_text("".join('{"question": "1+%d?", "answer": "#### %d"}\n' % (i, i + 1) for i in range(4)))
+    held.write_text("".join('{"question": "2+%d?", "answer": "#### %d"}\n' % (i, i + 2) for i in range(5)))
+    argv = ["--model", "m", "--data", str(data), "--eval-data", str(held), "--prompts", "2", "--eval-size"]
+    _, held_out = train.load_data(train.parse_args(argv + ["8"]))
+    assert [e["answer"] for e in held_out] == ["2", "3", "4", "5", "6"]
+    assert capsys.readouterr().out == f"held out: all 5 examples of {held} (--eval-size 8 asks for more than it holds)\n"
+    for size in ("5", "3"):
+        _, held_out = train.load_data(train.parse_args(argv + [size]))
+        assert len(held_out) == int(size) and capsys.readouterr().out == ""
+
 def test_bf16_runs_every_forward_of_a_step_under_autocast(warm, monkeypatch):
     # --dtype bfloat16: sampling, re-scoring and the update's forward passes all run under bf16 autocast (the
     # backward outside it); read inside each call as it runs
