@@ -265,8 +265,8 @@ class KVCache(Cache):
     if due, then attend) once per layer. Stats: `kv_tokens`, `peak_kv_tokens`, `peak_kv_bytes`,
     `dense_kv_tokens` (what a full cache would hold), `compressions`.
     With `record=True`, `history[layer][step]` holds the kept positions [B, H_kv, S] each step
-    attended over, a copy on the device (a count would read the device once per layer and step) in the
-    narrowest integer that holds every position (`record_dtype`);
+    attended over, a copy on the device (a count would read the device once per layer and step) in
+    int16, or int32 where the last position passes 32767 (`record_dtype`);
     `sampler.generate` stacks it into `Rollouts.kept`, from which tests rebuild the same attention with a
     dense masked pass.
     """
@@ -341,7 +341,7 @@ class KVCache(Cache):
         """Called by the model: store new keys and values [B, H_kv, q, D]; return the kept ones."""
         if layer_idx == len(self.layers):
             if not self.layers:   # the record is steps x layers x H_kv x S positions a row (Qwen3-1.7B, 4096 new
-                # tokens, S = 512 + 128: 1.2 GB in int16, a quarter of int64's), so the narrowest integer that fits
+                # tokens, S = 512 + 128: 1.2 GB in int16, a quarter of int64's): int16 while the last position fits
                 last = key_states.shape[2] + self.max_new_tokens - 1
                 self.record_dtype = torch.int16 if last <= torch.iinfo(torch.int16).max else torch.int32
             # The buffers take the values' dtype: under bf16 autocast, rotary turns the keys fp32 while the values,
