@@ -17,7 +17,7 @@ How, here:
   it holds (gpt-fast reads its whole buffer at every step: 1.5x the mean context of a rollout that
   triples its prompt), at the price of one graph per span, a capture every SPAN steps.
 - The host's bookkeeping (`start_step`: which rows compress, budgets, pages per row) runs before the
-  step, as in the eager cache; so does a compression. A step at which any row compresses runs the
+  step, as in the eager cache. A step at which any row compresses runs the
   eager path itself, in the same buffers: its scores need that step's own query and key, made inside
   the forward pass, and which slots survive is data. Every `interval` steps per row (all rows at once
   when the prompts share a length, as in the benchmark; rows with ragged prompts fall due apart).
