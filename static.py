@@ -56,8 +56,8 @@ class StaticCache(KVCache):
     now     [B, 1]      the step's positions, copied in by `start_step`
     pages   [B] long    blocktopk: `KVCache.top` copied in (pages attended per row at this step); `k_pages`, a
                         fixed bound on `top_k`, is the ranks a step gathers; the step's `plan_pages`
-                        (policies.page_plan) is computed inside the graph from them
-    seen    per layer   with record=True: the positions the step attended, cloned into `history`
+                        (`KVCache.plan_for`: policies.page_plan) is computed inside the graph from them
+    seen    per layer   with record=True: the positions the step attended (`record_dtype`), cloned into `history`
     The host keeps `Layer.size` and `Layer.ring` in step (`end_step`), so an eager step can follow,
     and sets `span` (an int: the slots a step reads), which changes every SPAN steps of a growing cache.
     """
