@@ -209,8 +209,8 @@ def masked_attention_forward(module, query, key, value, attention_mask, scaling=
     """transformers attention function "sparse_masked": SDPA under this layer's [N, H_kv, L, L] mask.
 
     query [N, H, L, D], key and value [N, H_kv, L, D]. Each KV head with its G = H / H_kv query heads is
-    one batch entry of SDPA, [N * H_kv, G, L, D] against [N * H_kv, 1, L, D] and the mask [N * H_kv, 1, L, L],
-    broadcast over the G heads: neither the mask nor K, V are copied G times (query head h uses KV head h // G).
+    one batch entry of SDPA, [N * H_kv, G, L, D] against K, V [N * H_kv, 1, L, D] expanded (stride 0) to G heads
+    and the mask [N * H_kv, 1, L, L], broadcast: neither is copied G times (query head h uses KV head h // G).
     Every query also sees its own key (the sampler always kept it), so no row is all masked:
     padding rows stay finite and carry no gradient into the loss.
     """
