@@ -4,11 +4,11 @@
 
 One held-out prompt of the warm-up's task (train.py's held-out set, longer than the budget + interval, so that the
 first decode step compresses it; the prefill is kept whole) is answered greedily through each policy's cache.
-`kept_fractions` reads the cache's history: at each forward pass (0: the prefill), the share of (layer, KV head)
-pairs that hold each position. `draw_keeps` draws one panel per policy (a PNG, --out; needs matplotlib), each dot
-coloured by the token's role: a digit the answer needs, a distractor letter, another prompt token, the answer. The
-table on stdout gives each policy's answer and the shares of the needed tokens and distractors held at the last
-step ("-" for sort and reverse, whose prompts hold no distractor).
+`kept_fractions` reads the rollout's record (`Rollouts.kept`): at each forward pass (0: the prefill), the share of
+(layer, KV head) pairs that hold each position. `draw_keeps` draws one panel per policy (a PNG, --out; needs
+matplotlib), each dot coloured by the token's role: a digit the answer needs, a distractor letter, another prompt
+token, the answer. The table on stdout gives each policy's answer and the shares of the needed tokens and
+distractors held at the last step ("-" for sort and reverse, whose prompts hold no distractor).
 """
 import argparse
 import sys
@@ -43,7 +43,7 @@ def kept_fractions(model, tokenizer, prompt, sparse, max_new_tokens):
     out = generate(model, [encode_prompt(tokenizer, prompt)], sparse, max_new_tokens, temperature=0,
                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, record=True)
     L = len(encode_prompt(tokenizer, prompt)) + out.tokens.shape[1]
-    held = torch.stack([F.one_hot(k[:, 0].clamp(min=0).long(), L + 1)[..., :L]     # (kept: int16 positions)
+    held = torch.stack([F.one_hot(k[:, 0].clamp(min=0).long(), L + 1)[..., :L]     # (kept: int16 or int32)
                         .masked_fill((k[:, 0] < 0)[..., None], 0).amax(-2).float()
                         for k in out.kept])                           # [layers, steps, H_kv, L]: held or not
     return held.mean((0, 2)), out.tokens[0, : int(out.mask.sum())].tolist()
