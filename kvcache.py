@@ -1,9 +1,9 @@
 """The evictable KV cache (docs/method.md section 2); hook.py routes a model's attention through it.
 
-A sparse rollout keeps `budget` tokens per layer and KV head (a prompt over `budget + interval` whole until the
-first decode step). The cache grows to `budget + interval` tokens and is then compressed back to `budget`: a scoring policy
-(policies.py) gives every cached token a score, and each row of the batch and each KV head keeps
-its own top `budget` tokens. Everything else in the repo sees only `KVCache`, `SparseConfig` and the hook.
+A sparse rollout keeps `budget` tokens per layer and KV head (a prompt over `budget + interval` whole until the first
+decode step). The cache grows to `budget + interval` tokens and is then compressed back to `budget`: a scoring policy
+(policies.py) gives every cached token a score, and each row of the batch and each KV head keeps its own top `budget`
+tokens. Other files use `KVCache`, `SparseConfig`, the hook and a few constants and checks.
 
 What is notable here:
 - Cached keys keep the rotary position they were computed at, and each kept slot its absolute position
