@@ -192,7 +192,7 @@ def page_plan(count, top, k, pos, page_size, query_pos=None, sliding_window=None
     count [B, N]: tokens per page (`Layer.page_count`); top [B]: pages each row attends, the budget's best plus
     the reserved (device); k (host): the ranks gathered, at least min(max(top), the pages pos spans);
     pos [B, H_kv, S]: the positions of the slots a step looks at, -1 where none (the held slots of the eager
-    cache, or static.py's buffer up to its span). `sliding_window` (the layer's, as `hook.visible` applies it; None: none)
+    cache, or static.py's buffer to its span). `sliding_window` (the layer's, as `hook.visible` applies it; None: none)
     with query_pos [B, 1], the step's positions: the pages wholly before the window are not attended. -> PagePlan.
     """
     n = (pos.shape[-1] - 1) // page_size + 1                            # no position reaches page n yet
