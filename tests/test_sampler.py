@@ -232,6 +232,12 @@ def test_bfloat16_runs_close_to_float32():
     assert bf16.stats["peak_kv_bytes"] * 2 == fp32.stats["peak_kv_bytes"]
     assert (bf16.tokens[:, 0] == fp32.tokens[:, 0]).all()
     assert (bf16.logprobs[:, 0] - fp32.logprobs[:, 0]).abs().max() < 0.1
+    # the log-softmax runs on the bf16 logits upcast to fp32 (sampler.forward), as Hugging Face's own dense bf16
+    # forward scored in fp32 gives them: the first token (the prefill, nothing evicted) to ~1e-4. A log-softmax in
+    # bf16 rounds each log-prob to its 2**-6 grid near -4 (~8e-3 off), and its top-k stays bf16
+    dense = torch.stack([full_forward_logprobs(model, p, bf16.tokens[i, :1].tolist()) for i, p in enumerate(PROMPTS)])
+    assert (bf16.logprobs[:, :1] - dense).abs().max() < 1e-3
+    assert bf16.logprobs.dtype == bf16.topk_logprobs.dtype == torch.float32
 
 
 @pytest.mark.parametrize("prompts, kwargs, message", [
