@@ -218,17 +218,19 @@ def test_the_adapters_ppo_term_is_on_policy_whatever_the_sampler_recorded():
 def test_one_adapter_step_over_micro_batches_is_one_step_over_the_batch():
     # rows of 12, 5 and 9 response tokens [3, 12]. Reference: the whole batch's token-mean loss in one forward, its
     # gradient clipped to norm 1, one SGD step (lr 1). Micro-batches of 1 and of 3 rows must take that step, report
-    # that loss and KL, freeze theta (no gradient lands on it) and leave no gradient behind on phi.
+    # that loss and KL, freeze theta (no gradient lands on it) and leave no gradient behind on phi. At the sampler's
+    # temperature 0.7 (--temperature), which the step's sparse forward must score at (at 1.0: another loss)
     model = tiny_model("llama")
     lora = moved_adapter(model)
     with lora.on():
-        out = generate(model, PROMPTS, CONFIGS["snapkv"], max_new_tokens=12, seed=5, record=True)
+        out = generate(model, PROMPTS, CONFIGS["snapkv"], max_new_tokens=12, temperature=0.7, seed=5, record=True)
     out.mask = out.mask.clone()
     out.mask[1, 5:], out.mask[2, 9:] = 0, 0
-    logp_old, advantages = dense_logprobs(model, out), torch.tensor([4.0, -2.0, 1.0])
+    logp_old, advantages = dense_logprobs(model, out, temperature=0.7), torch.tensor([4.0, -2.0, 1.0])
     start = {k: v.detach().clone() for k, v in lora.state_dict().items()}
     with lora.on():
-        loss, stats = distill.distill_loss(distill.sparse_logprobs(model, out), out, logp_old, advantages)
+        logp = distill.sparse_logprobs(model, out, temperature=0.7)
+        loss, stats = distill.distill_loss(logp, out, logp_old, advantages)
     loss.backward()
     assert torch.nn.utils.clip_grad_norm_(lora.parameters(), 1.0) > 1                  # the clip acts
     expected = {k: start[k] - p.grad for k, p in lora.named_parameters()}
@@ -236,7 +238,7 @@ def test_one_adapter_step_over_micro_batches_is_one_step_over_the_batch():
     for micro in (1, 3):
         lora.load_state_dict(start)
         lora.zero_grad(set_to_none=True)
-        args = SimpleNamespace(micro_batch=micro, dtype="float32", temperature=1.0, distill="ppo-kl",
+        args = SimpleNamespace(micro_batch=micro, dtype="float32", temperature=0.7, distill="ppo-kl",
                                distill_lambda=distill.LAMBDA)
         metrics = distill.step(model, lora, torch.optim.SGD(lora.parameters(), lr=1.0), out, logp_old, advantages,
                                args)
