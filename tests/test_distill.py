@@ -491,3 +491,21 @@ def test_an_unknown_distillation_variant_is_refused_by_name():
                         torch.zeros(1, 2, 1), torch.zeros(1, 2, 1))
     with pytest.raises(ValueError, match="^the distillation variant must be 'ppo-kl' or 'kl', got 'KL'$"):
         distill.distill_loss(torch.zeros(1, 2), rollouts, torch.zeros(1, 2), torch.ones(1), "KL")
+
+
+def test_no_query_of_the_sparse_forward_is_left_without_a_key_on_a_backend_that_gives_nan(monkeypatch):
+    # each query also sees its own key (SparseMasks' diagonal): a padding query past a short prompt's row (3 + 20 of
+    # L = 9 + 20 coordinates) under a window of 6 sees nothing else. This CPU's SDPA returns 0 for a query with no
+    # key, but a plain softmax (older math SDPA, some CUDA kernels) returns NaN, which reaches the loss (NaN * 0)
+    def plain_sdpa(q, k, v, attn_mask, scale):                        # softmax over -inf everywhere: NaN
+        scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~attn_mask, float("-inf"))
+        return scores.softmax(-1) @ v
+    model = tiny_model("mistral", sliding_window=6)
+    lora = moved_adapter(model)
+    with lora.on():
+        out = generate(model, PROMPTS, CONFIGS["streaming"], max_new_tokens=20, seed=3, record=True)
+        monkeypatch.setattr(distill.F, "scaled_dot_product_attention", plain_sdpa)
+        logp = distill.sparse_logprobs(model, out)
+    assert (logp - out.logprobs).abs().max() < 1e-4                   # NaN anywhere fails this
+    (logp * out.mask).sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in lora.parameters())
