@@ -433,3 +433,66 @@ def test_step_times_times_the_last_decode_step_to_the_rollouts_end(fake_clock):
     # the 4 decode steps of a 5-token rollout takes at least its own mark's second, the last one included (not 0)
     seconds, compressing = step_times(tiny_model(), [[5, 9, 3]], SparseConfig("full"), 5)
     assert len(seconds) == len(compressing) == 4 and min(seconds) >= 1, seconds
+
+
+def test_print_step_times_splits_a_spread_mean_and_charges_each_rounds_collections_by_hand(monkeypatch, capsys):
+    """--rounds 2 on fixed timings (ms), the steady steps spread (the test above has none), a garbage collection of
+    4 ms on a faked clock. full: 10, 20, 60 then 10, 20, 90, a full collection in each rollout. By hand: steady median
+    20, spread (210 - 6 x 20) / 6 = 15, mean 35; p90 the ceil(0.9 x 6) = 6th smallest, 90 (floor(5.4) = 5th: 60);
+    collector 8 ms / 6 steps = 1.33 a step (not over --new, --rounds, nor round 2's alone), 2 full. snapkv: 4, 6, 50c
+    then 4, 8, 30c, a generation-0 collection in round 1: median 5, compressions (45 + 25) / 6 = 11.67, spread
+    (-1 + 1 - 1 + 3) / 6 = 0.33, mean 17 = 0.49x full's mean 35 (0.85x: its steady median alone); steady 0.25x;
+    p90 the 4th of 4 (8, not 6); collector 4 / 6 = 0.67, 0 full."""
+    import argparse
+
+    calls = []
+    reads = iter(0.004 * k for k in range(1000))          # each read 4 ms on: a collection's start to stop, 4 ms
+    monkeypatch.setattr(bench_static, "time", type("T", (), dict(perf_counter=staticmethod(lambda: next(reads)))))
+
+    def timings(model, prompts, sparse, steps):
+        calls.append(sparse.policy)
+        rounds = calls.count(sparse.policy) - 1            # 0: the warm-up
+        if rounds == 0:
+            return [1.0] * 3, [False] * 3
+        if sparse.policy == "full":
+            gc.collect()
+            return [0.010, 0.020, [0.060, 0.090][rounds - 1]], [False] * 3
+        if rounds == 1:
+            gc.collect(0)
+        return [0.004, [0.006, 0.008][rounds - 1], [0.050, 0.030][rounds - 1]], [False, False, True]
+    monkeypatch.setattr(bench_static, "step_times", timings)
+    args = argparse.Namespace(shape="bench", batch=2, prompt=6, new=22, budget=16, interval=4, rounds=2)
+    sparse = {p: SparseConfig(p, budget=16, interval=4) for p in ("full", "snapkv")}
+    gc.disable()
+    try:
+        bench_static.print_step_times(type("M", (), dict(dtype=torch.float32, device="cpu"))(), [[1, 2]], sparse, args)
+    finally:
+        gc.enable()
+    out = capsys.readouterr().out
+    assert ("      full: mean step  35.00 (1.00x full's) = steady median  20.00 (1.00x) + compressions  0.00 (0 steps, "
+            "median    0.00) + the steady steps' spread 15.00 (p90  90.00, max   90.00); garbage collector 1.33 a step, "
+            "2 full collections") in out, out
+    assert ("    snapkv: mean step  17.00 (0.49x full's) = steady median   5.00 (0.25x) + compressions 11.67 (2 steps, "
+            "median   40.00) + the steady steps' spread  0.33 (p90   8.00, max    8.00); garbage collector 0.67 a step, "
+            "0 full collections") in out, out
+
+
+def test_print_step_times_gives_no_ratio_to_a_first_policy_without_steady_steps(monkeypatch, capsys):
+    """--policies snapkv,full at interval 1 over budget: every snapkv step compresses, so its steady median is 0
+    (split_mean) and each policy's steady ratio to it is nan, not a ZeroDivisionError at full's line; the mean's
+    ratio is still to snapkv's whole mean (5 ms: full's 10 is 2.00x); no steady step: p90 and max 0."""
+    import argparse
+
+    def timings(model, prompts, sparse, steps):
+        if sparse.policy == "snapkv":
+            return [0.004, 0.006], [True, True]
+        return [0.010, 0.010], [False, False]
+    monkeypatch.setattr(bench_static, "step_times", timings)
+    args = argparse.Namespace(shape="bench", batch=2, prompt=6, new=3, budget=16, interval=1, rounds=1)
+    sparse = {p: SparseConfig(p, budget=16, interval=1) for p in ("snapkv", "full")}
+    bench_static.print_step_times(type("M", (), dict(dtype=torch.float32, device="cpu"))(), [[1, 2]], sparse, args)
+    out = capsys.readouterr().out
+    assert ("    snapkv: mean step   5.00 (1.00x snapkv's) = steady median   0.00 (nanx) + compressions  5.00 (2 steps, "
+            "median    5.00) + the steady steps' spread  0.00 (p90   0.00, max    0.00)") in out, out
+    assert ("      full: mean step  10.00 (2.00x snapkv's) = steady median  10.00 (nanx) + compressions  0.00 (0 steps, "
+            "median    0.00) + the steady steps' spread  0.00 (p90  10.00, max   10.00)") in out, out
