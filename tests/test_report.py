@@ -1,5 +1,6 @@
 """report.py runs: the tables of hand-written run folders against numbers computed by hand, the errors, and
 --robust-budgets on a tiny trained run (its budgets reproduce the run's own final evaluations)."""
+import argparse
 import json
 import shutil
 import subprocess
@@ -8,11 +9,16 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
+import distill
+import models
 import report
 import train
+from evaluate import accuracy, eval_rewards
 from kvcache import SparseConfig
-from tasks import numeric_reward
+from sampler import generate
+from tasks import encode_prompt, held_out_examples, numeric_reward
 from test_train import SMALL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -776,3 +782,79 @@ def test_a_missing_results_runs_folder_says_how_it_is_made(tmp_path):
         with pytest.raises(ValueError, match=f"dense-s0' is not a train.py run folder: it holds no metrics.jsonl"
                                              f"{end}$"):
             report.read_run(str(folder))
+
+
+@pytest.fixture(scope="module")
+def final_checkpoint(tmp_path_factory):
+    """A tiny run's final checkpoint: SMALL's toy model after 60 warm-up steps, saved as train.py saves (step 1) with
+    a DistillSparse adapter whose B is random (a trained adapter's answers differ from theta's), for a run of --seed 1
+    (its held-out prompts are seed 1's); -> (its folder, its args)."""
+    out = tmp_path_factory.mktemp("final")
+    args = train.parse_args(SMALL + ["--warmup-steps", "60", "--out", str(out)])
+    model, tokenizer = train.load_model(args, torch.device("cpu"))
+    lora, generator = distill.LoRA(model, rank=4), torch.Generator().manual_seed(0)
+    for B in lora.B.values():
+        B.data.normal_(std=0.05, generator=generator)
+    args.seed = 1
+    models.save_checkpoint(out, 1, model, tokenizer, args, {}, adapter=lora)
+    lora.remove()
+    return out / "step-000001", args
+
+
+def spied_evaluations(monkeypatch):
+    """report.eval_rewards, spied on: -> [(the model's weights' dtype, autocast's dtype or None, an adapter passed
+    or hooked on the model)] a call."""
+    seen = []
+
+    def spied(model, *args, **kwargs):
+        seen.append((next(model.parameters()).dtype,
+                     torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None,
+                     len(args) > 5 or kwargs.get("lora") is not None or any(m._forward_hooks for m in model.modules())))
+        return eval_rewards(model, *args, **kwargs)
+    monkeypatch.setattr(report, "eval_rewards", spied)
+    return seen
+
+
+EXACT = lambda text, answer: float(text.strip() == answer)                       # sort's reward, by hand
+CACHES = [SparseConfig("snapkv", 10, 2, 2, 2, page_size=4, dense_layers=1), SparseConfig("full")]   # SMALL's, by hand
+
+
+def test_robust_accuracy_is_each_caches_greedy_accuracy_of_theta_alone_on_the_runs_held_out_prompts(
+        final_checkpoint, monkeypatch):
+    """Pins robust_accuracy against a greedy loop, one prompt at a time, through each cache built by hand: the
+    checkpoint's fp32 model, theta alone (not the adapter saved beside it), on the 32 held-out sort prompts of the
+    run's --seed 1 up to its --max-new-tokens, an exact answer's share, in the caches' order. Here SnapKV 10 scores 0.375, full 0.469 (a cache
+    swapped, or one for all, is caught); SnapKV 10 on seed 0's prompts 0.344, with the adapter 0."""
+    ckpt, args = final_checkpoint
+    args = argparse.Namespace(**dict(vars(args), max_new_tokens=8))     # 8 digits fit, not their eos: 7, 0.344 0.406
+    seen = spied_evaluations(monkeypatch)
+    got = report.robust_accuracy(ckpt, args, CACHES, torch.device("cpu"))
+    model, tokenizer = models.load_pretrained(str(ckpt))
+    held_out = held_out_examples("sort", 32, 1, 4, 8)
+
+    def greedy_accuracy(sparse):
+        right = 0
+        for e in held_out:
+            out = generate(model, [encode_prompt(tokenizer, e["prompt"])], sparse, 8, temperature=0,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            text = tokenizer.decode(out.tokens[0, :int(out.mask[0].sum())].tolist(), skip_special_tokens=True)
+            right += text.strip() == e["answer"]
+        return right / len(held_out)
+    assert got == [greedy_accuracy(sparse) for sparse in CACHES] and got[0] != got[1], got
+    assert seen == [(torch.float32, None, False)] * 2                   # fp32, no autocast, no adapter
+    lora = distill.LoRA.from_file(model, ckpt / "adapter.safetensors")   # the adapter would have been seen
+    assert accuracy(eval_rewards(model, tokenizer, held_out, EXACT, CACHES[0], 8, lora)) != got[0]
+
+
+def test_robust_accuracy_of_a_bfloat16_run_is_its_fp32_weights_under_autocast(final_checkpoint, monkeypatch):
+    # As train.py evaluates a --dtype bfloat16 run: fp32 weights, each evaluation under bf16 autocast, theta alone
+    # (bf16 weights answer otherwise: README); against eval_rewards on the checkpoint's fp32 model under autocast
+    ckpt, args = final_checkpoint
+    args = argparse.Namespace(**dict(vars(args), dtype="bfloat16"))
+    seen = spied_evaluations(monkeypatch)
+    got = report.robust_accuracy(ckpt, args, CACHES, torch.device("cpu"))
+    model, tokenizer = models.load_pretrained(str(ckpt))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = [accuracy(eval_rewards(model, tokenizer, held_out_examples("sort", 32, 1, 4, 8),
+                                      EXACT, sparse, 10)) for sparse in CACHES]
+    assert got == want and seen == [(torch.float32, torch.bfloat16, False)] * 2, (got, seen)
