@@ -823,10 +823,11 @@ def test_robust_accuracy_is_each_caches_greedy_accuracy_of_theta_alone_on_the_ru
         final_checkpoint, monkeypatch):
     """Pins robust_accuracy against a greedy loop, one prompt at a time, through each cache built by hand: the
     checkpoint's fp32 model, theta alone (not the adapter saved beside it), on the 32 held-out sort prompts of the
-    run's --seed 1 up to its --max-new-tokens, an exact answer's share, in the caches' order. Here SnapKV 10 scores 0.375, full 0.469 (a cache
-    swapped, or one for all, is caught); SnapKV 10 on seed 0's prompts 0.344, with the adapter 0."""
+    run's --seed 1 up to its --max-new-tokens, an exact answer's share, in the caches' order. Here SnapKV 10
+    scores 0.375, full 0.469 (a cache swapped, or one for all, is caught); SnapKV 10 on seed 0's prompts 0.344,
+    with the adapter 0."""
     ckpt, args = final_checkpoint
-    args = argparse.Namespace(**dict(vars(args), max_new_tokens=8))     # 8 digits fit, not their eos: 7, 0.344 0.406
+    args = argparse.Namespace(**dict(vars(args), max_new_tokens=8))     # the longest answer's 8 digits (at 7: 0.344, 0.406)
     seen = spied_evaluations(monkeypatch)
     got = report.robust_accuracy(ckpt, args, CACHES, torch.device("cpu"))
     model, tokenizer = models.load_pretrained(str(ckpt))
