@@ -1,5 +1,6 @@
 """bench_static.py: the op counter, ops a step, every step's time and its split, the profile's sums and the command
 line's checks, against hand counts, a fake clock and step-by-step counts in one rollout."""
+import argparse
 import gc
 
 import pytest
@@ -215,6 +216,19 @@ def test_step_times_puts_back_the_caches_start_step(monkeypatch, fake_clock):
     assert KVCache.start_step is before
 
 
+def printed_step_times(policies, capsys, rounds=2, new=22, interval=4):
+    """What `print_step_times` prints over the step_times a test patched in, for `policies` at budget 16 (batch 2,
+    prompt 6, a stand-in fp32 CPU model), with the garbage collector off: only the stub's own collections count."""
+    args = argparse.Namespace(shape="bench", batch=2, prompt=6, new=new, budget=16, interval=interval, rounds=rounds)
+    sparse = {p: SparseConfig(p, budget=16, interval=interval) for p in policies}
+    gc.disable()
+    try:
+        bench_static.print_step_times(type("M", (), dict(dtype=torch.float32, device="cpu"))(), [[1, 2]], sparse, args)
+    finally:
+        gc.enable()
+    return capsys.readouterr().out
+
+
 def test_print_step_times_reports_every_rounds_steps_by_hand(monkeypatch, capsys):
     """--step-times with `step_times` replaced by fixed timings (ms): full's steps all 10 in round 1, all 50 in
     round 2 (median 30 over both); snapkv's steady steps 1, 2, ..., 20 and two compressions, 50 and 70, in each of
@@ -222,8 +236,6 @@ def test_print_step_times_reports_every_rounds_steps_by_hand(monkeypatch, capsys
     (39.5 + 59.5) / 22 = 4.5 a step, spread 0, mean 15 = 0.50x full's, steady 0.35x full's; 4 compressing steps,
     median 60; over the 40 steady steps, p90 the nearest rank ceil(0.9 x 40) = 36th smallest (18), max 20. The
     policies take turns, round after round, after one warm-up each."""
-    import argparse
-
     calls = []
 
     def timings(model, prompts, sparse, steps):
@@ -234,10 +246,7 @@ def test_print_step_times_reports_every_rounds_steps_by_hand(monkeypatch, capsys
             return [0.040 * calls.count(("full", 22)) - 0.030] * 22, [False] * 22
         return [k / 1e3 for k in range(1, 21)] + [0.050, 0.070], [False] * 20 + [True] * 2
     monkeypatch.setattr(bench_static, "step_times", timings)
-    args = argparse.Namespace(shape="bench", batch=2, prompt=6, new=22, budget=16, interval=4, rounds=2)
-    sparse = {p: SparseConfig(p, budget=16, interval=4) for p in ("full", "snapkv")}
-    bench_static.print_step_times(type("M", (), dict(dtype=torch.float32, device="cpu"))(), [[1, 2]], sparse, args)
-    out = capsys.readouterr().out
+    out = printed_step_times(("full", "snapkv"), capsys)
     assert calls == [("full", 8), ("snapkv", 8)] + [("full", 22), ("snapkv", 22)] * 2
     assert ("      full: mean step  30.00 (1.00x full's) = steady median  30.00 (1.00x) + compressions  0.00 (0 steps, "
             "median    0.00) + the steady steps' spread  0.00 (p90  50.00, max   50.00)") in out
@@ -249,30 +258,22 @@ def test_print_step_times_reports_the_rollouts_finished_before_a_time_limits_sig
     """gpu_check.sh gives --step-times what is left of its call, then SIGINT: the policies whose rollouts finished
     are still reported (here full and snapkv, h2o's rollout interrupted), not a traceback alone; interrupted
     before any finished, the KeyboardInterrupt goes on."""
-    import argparse
-
     def timings(model, prompts, sparse, steps):
         if steps == 22 and sparse.policy == "h2o":
             raise KeyboardInterrupt
         return [0.010] * 3, [False] * 3
     monkeypatch.setattr(bench_static, "step_times", timings)
-    args = argparse.Namespace(shape="bench", batch=2, prompt=6, new=22, budget=16, interval=4, rounds=1)
-    sparse = {p: SparseConfig(p, budget=16, interval=4) for p in ("full", "snapkv", "h2o")}
-    model = type("M", (), dict(dtype=torch.float32, device="cpu"))()
-    bench_static.print_step_times(model, [[1, 2]], sparse, args)
-    out = capsys.readouterr().out
+    out = printed_step_times(("full", "snapkv", "h2o"), capsys, rounds=1)
     assert "interrupted" in out and "full: mean step" in out and "snapkv: mean step" in out
     assert "h2o: mean step" not in out
     with pytest.raises(KeyboardInterrupt):
-        bench_static.print_step_times(model, [[1, 2]], {"h2o": sparse["h2o"]}, args)
+        printed_step_times(("h2o",), capsys, rounds=1)
 
 
 def test_print_step_times_counts_no_collection_of_an_interrupted_rollout(monkeypatch, capsys):
     """--rounds 2, SIGINT in h2o's second rollout, after a full collection in it: h2o is reported from its first
     rollout's steps (3 of 10 ms), so its garbage collector's share must be that rollout's too, 0 full collections
     (the collector is off, and no finished rollout collects), not the lost rollout's 1 charged to the steps kept."""
-    import argparse
-
     calls = []
 
     def timings(model, prompts, sparse, steps):
@@ -282,14 +283,7 @@ def test_print_step_times_counts_no_collection_of_an_interrupted_rollout(monkeyp
             raise KeyboardInterrupt
         return [0.010] * 3, [False] * 3
     monkeypatch.setattr(bench_static, "step_times", timings)
-    args = argparse.Namespace(shape="bench", batch=2, prompt=6, new=22, budget=16, interval=4, rounds=2)
-    sparse = {p: SparseConfig(p, budget=16, interval=4) for p in ("full", "h2o")}
-    gc.disable()
-    try:
-        bench_static.print_step_times(type("M", (), dict(dtype=torch.float32, device="cpu"))(), [[1, 2]], sparse, args)
-    finally:
-        gc.enable()
-    h2o = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("h2o:")]
+    h2o = [line for line in printed_step_times(("full", "h2o"), capsys).splitlines() if line.strip().startswith("h2o:")]
     assert len(h2o) == 1 and h2o[0].endswith("garbage collector 0.00 a step, 0 full collections"), h2o
 
 
@@ -443,8 +437,6 @@ def test_print_step_times_splits_a_spread_mean_and_charges_each_rounds_collectio
     then 4, 8, 30c, a generation-0 collection in round 1: median 5, compressions (45 + 25) / 6 = 11.67, spread
     (-1 + 1 - 1 + 3) / 6 = 0.33, mean 17 = 0.49x full's mean 35 (0.85x: its steady median alone); steady 0.25x;
     p90 the 4th of 4 (8, not 6); collector 4 / 6 = 0.67, 0 full."""
-    import argparse
-
     calls = []
     reads = iter(0.004 * k for k in range(1000))          # each read 4 ms on: a collection's start to stop, 4 ms
     monkeypatch.setattr(bench_static, "time", type("T", (), dict(perf_counter=staticmethod(lambda: next(reads)))))
@@ -461,14 +453,7 @@ def test_print_step_times_splits_a_spread_mean_and_charges_each_rounds_collectio
             gc.collect(0)
         return [0.004, [0.006, 0.008][rounds - 1], [0.050, 0.030][rounds - 1]], [False, False, True]
     monkeypatch.setattr(bench_static, "step_times", timings)
-    args = argparse.Namespace(shape="bench", batch=2, prompt=6, new=22, budget=16, interval=4, rounds=2)
-    sparse = {p: SparseConfig(p, budget=16, interval=4) for p in ("full", "snapkv")}
-    gc.disable()
-    try:
-        bench_static.print_step_times(type("M", (), dict(dtype=torch.float32, device="cpu"))(), [[1, 2]], sparse, args)
-    finally:
-        gc.enable()
-    out = capsys.readouterr().out
+    out = printed_step_times(("full", "snapkv"), capsys)
     assert ("      full: mean step  35.00 (1.00x full's) = steady median  20.00 (1.00x) + compressions  0.00 (0 steps, "
             "median    0.00) + the steady steps' spread 15.00 (p90  90.00, max   90.00); garbage collector 1.33 a step, "
             "2 full collections") in out, out
@@ -481,17 +466,12 @@ def test_print_step_times_gives_no_ratio_to_a_first_policy_without_steady_steps(
     """--policies snapkv,full at interval 1 over budget: every snapkv step compresses, so its steady median is 0
     (split_mean) and each policy's steady ratio to it is nan, not a ZeroDivisionError at full's line; the mean's
     ratio is still to snapkv's whole mean (5 ms: full's 10 is 2.00x); no steady step: p90 and max 0."""
-    import argparse
-
     def timings(model, prompts, sparse, steps):
         if sparse.policy == "snapkv":
             return [0.004, 0.006], [True, True]
         return [0.010, 0.010], [False, False]
     monkeypatch.setattr(bench_static, "step_times", timings)
-    args = argparse.Namespace(shape="bench", batch=2, prompt=6, new=3, budget=16, interval=1, rounds=1)
-    sparse = {p: SparseConfig(p, budget=16, interval=1) for p in ("snapkv", "full")}
-    bench_static.print_step_times(type("M", (), dict(dtype=torch.float32, device="cpu"))(), [[1, 2]], sparse, args)
-    out = capsys.readouterr().out
+    out = printed_step_times(("snapkv", "full"), capsys, rounds=1, new=3, interval=1)
     assert ("    snapkv: mean step   5.00 (1.00x snapkv's) = steady median   0.00 (nanx) + compressions  5.00 (2 steps, "
             "median    5.00) + the steady steps' spread  0.00 (p90   0.00, max    0.00)") in out, out
     assert ("      full: mean step  10.00 (2.00x snapkv's) = steady median  10.00 (nanx) + compressions  0.00 (0 steps, "
