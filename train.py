@@ -123,8 +123,7 @@ def load_data(args):
         raise ValueError(f"{args.data} leaves {len(train)} training examples after the {args.eval_size} held out "
                          f"(--eval-size); a step needs --prompts {args.prompts}: pass --eval-data or a smaller --eval-size")
     if len(held_out) < args.eval_size:                                 # evaluated whole: said, not silently cut
-        print(f"held out: all {len(held_out)} examples of {args.eval_data or args.data} (--eval-size {args.eval_size} "
-              "asks for more than it holds)")
+        print(f"held out: all {len(held_out)} examples of {args.eval_data or args.data}, < --eval-size {args.eval_size}")
     return train, held_out[: args.eval_size]
 
 
