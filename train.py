@@ -346,8 +346,7 @@ def main(argv=None):
         run_eval(start)
     # counted by hand, so that a step's numbers show beside its own count (an iterated bar still shows the step
     # before while this one evaluates and saves); a resumed run's count goes on from its checkpoint's step
-    bar = tqdm(initial=start, total=args.steps, desc="GRPO", dynamic_ncols=True)
-    history = []
+    bar, history = tqdm(initial=start, total=args.steps, desc="GRPO", dynamic_ncols=True), []
     for step in range(start + 1, args.steps + 1):
         metrics = rl_step(model, ref_model, opt, tokenizer, step_examples(args, train, step), reward, sparse,
                           args, step, lora, lora_opt)
