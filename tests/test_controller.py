@@ -187,6 +187,12 @@ def test_controller_blames_by_its_own_interval(interval, budgets):
     (lambda: Controller(bins=2.5), "^bins must be an integer >= 1, got 2.5$"),
     (lambda: Controller(bins=0), "^bins must be an integer >= 1, got 0$"),
     (lambda: Controller(interval=0), "^interval must be an integer >= 1, got 0$"),
+    # the order of the budget bounds, each link of it (a start above high began outside [low, high]; low 0 a
+    # budget of 0 tokens), a negative band, and a bool where a count belongs (True is an int)
+    (lambda: Controller(start=200, high=100), "^need 1 <= low <= start <= high, got 16, 200, 100$"),
+    (lambda: Controller(low=0), "^need 1 <= low <= start <= high, got 0, 64, 4096$"),
+    (lambda: Controller(band=-0.01), "need 1 < up < inf, step >= 0 and band >= 0, got 1.5, 8, -0.01"),
+    (lambda: Controller(interval=True), "^interval must be an integer >= 1, got True$"),
 ])
 def test_bad_settings_are_a_clear_error(make, message):
     with pytest.raises(ValueError, match=message):
@@ -215,3 +221,15 @@ def test_controller_does_not_lower_a_bin_with_fewer_than_min_tokens_though_its_t
     c.schedule = piecewise([0, 32, 64], (24, 40, 64))
     c.update(torch.ones(1, 5), torch.tensor([[5, 6, 40, 41, 64]]))
     assert c.budgets == (20, 32, 64)
+
+
+def test_controller_with_step_0_only_raises():
+    """step >= 0 is the rule: step 0 is a controller that never lowers a budget. By hand (bins of 32, budgets 24,
+    one row at contexts 20-26 that compresses at 25): every alpha 1.0 > 0.75 + 0.125 keeps (24, 24) where step 8
+    would give (16, 24); every alpha 0.5 fails bin 0, which is raised, 24 * 1.5 = 36 (bin 1 lifted with it)."""
+    c = Controller(threshold=0.75, bin_size=32, bins=2, start=24, low=8, high=100, step=0, up=1.5, band=0.125,
+                   min_tokens=2)
+    c.update(torch.ones(1, 7), torch.arange(20, 27)[None])
+    assert c.budgets == (24, 24)
+    c.update(torch.full((1, 7), 0.5), torch.arange(20, 27)[None])
+    assert c.budgets == (36, 36)
