@@ -233,3 +233,14 @@ def test_controller_with_step_0_only_raises():
     assert c.budgets == (24, 24)
     c.update(torch.full((1, 7), 0.5), torch.arange(20, 27)[None])
     assert c.budgets == (36, 36)
+
+
+def test_controller_reads_the_5th_percentile_by_default():
+    # Pins the default q, 0.05 (docs/method.md section 6: "5th-percentile acceptance"; train.py passes no q, so
+    # every --controller run reads this one). Same row as the test above, alpha 0 once and 1 six times, threshold
+    # 0.5: the 5th percentile, 0.3, fails and bin 0 (it compresses at 25) is raised, 24 -> 36; a 10th, 0.6, holds
+    # (not above 0.5 + 0.125 either): nothing would move.
+    c = Controller(threshold=0.5, bin_size=32, bins=2, start=24, low=8, high=100, step=8, up=1.5, band=0.125,
+                   min_tokens=2)
+    c.update(torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]]), torch.arange(20, 27)[None])
+    assert c.budgets == (36, 36)
