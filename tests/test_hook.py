@@ -162,3 +162,25 @@ def test_sparse_attention_gives_the_model_its_own_attention_back():
         assert model.config._attn_implementation == "eager"
         with torch.no_grad():
             model(torch.tensor([[1, 2, 3]]))
+
+
+def test_sparse_attention_lets_sdpa_choose_every_backend_but_cudnn():
+    # Pins SDPA_BACKENDS and the `sdpa_kernel` block (cuDNN re-plans for every new key length: ~8 ms of CPU a
+    # decode step on an H100). torch keeps the choice in global flags, readable on a CPU too: inside the block
+    # cuDNN is off and flash, memory-efficient and math are on; after it, cuDNN is back as it was
+    cuda = torch.backends.cuda
+    before = cuda.cudnn_sdp_enabled()
+    with sparse_attention(tiny_model("llama")):
+        enabled = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+                   cuda.math_sdp_enabled())
+    assert enabled == (False, True, True, True)
+    assert cuda.cudnn_sdp_enabled() == before
+
+
+def test_the_hook_without_a_cache_is_a_clear_error():
+    # A forward inside the block that forgets kv_cache=cache is told what to pass (without the check: an
+    # AttributeError on None deep inside the layer, naming nothing)
+    model = tiny_model("llama")
+    with sparse_attention(model), torch.no_grad():
+        with pytest.raises(ValueError, match=r"needs the cache: call model\(\.\.\., kv_cache=cache\)"):
+            model(torch.tensor([[1, 2, 3]]))
