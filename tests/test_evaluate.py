@@ -164,7 +164,9 @@ def acceptances(model, out):
 
 def test_run_inference_sums_the_batches(toy):
     model, tokenizer, examples = toy
-    even = lambda completion, answer: float(len(completion) % 2 == 0)   # a 0/1 reward that some answers earn
+    # partial credit: 1 for an even length, 0.5 for an odd one, so that the accuracy (the share of 1s) is not the
+    # mean reward (a mutant reporting the mean passed the 0/1 reward this test had)
+    even = lambda completion, answer: 1.0 if len(completion) % 2 == 0 else 0.5
     row = evaluate.run_inference(model, tokenizer, examples, even, SPARSE, 12, 3)
     peak, lengths, hits, alpha = 0, [], [], []
     for first in range(0, 7, 3):                                       # the same batches, sampled by hand
@@ -176,7 +178,7 @@ def test_run_inference_sums_the_batches(toy):
         hits += [even(tokenizer.decode(row[:k], skip_special_tokens=True), None) for row, k in zip(out.tokens, n)]
         alpha.append(acceptances(model, out))
     assert (row["peak_kv_bytes"], row["tokens"]) == (peak, sum(lengths))
-    assert row["accuracy"] == pytest.approx(sum(hits) / len(hits)) and 0 < row["accuracy"] < 1
+    assert row["accuracy"] == pytest.approx(sum(h == 1 for h in hits) / len(hits)) and 0 < row["accuracy"] < 1
     alpha = torch.cat(alpha).double()                                  # [tokens], every batch's
     assert row["alpha_mean"] == pytest.approx(alpha.mean().item(), abs=1e-5)
     assert row["alpha_p05"] == pytest.approx(torch.quantile(alpha, 0.05).item(), abs=1e-5)
@@ -196,7 +198,7 @@ def test_the_command_line_is_train_py_steps_0(monkeypatch):
     monkeypatch.setattr(train, "main", lambda argv: calls.append(argv))
     evaluate.main(["--eval-budgets", "8", "12"])
     assert calls == [["--steps", "0", "--eval-budgets", "8", "12"]]
-    for steps in (["--steps", "5"], ["--step=5"]):                 # argparse takes a prefix of a flag too
+    for steps in (["--steps", "5"], ["--step=5"], ["--steps", "-1"]):   # a prefix of a flag too; any steps but 0
         with pytest.raises(SystemExit, match="^error: evaluate.py never trains"):
             evaluate.main(steps)
     assert len(calls) == 1
@@ -272,6 +274,15 @@ def test_evaluate_only_prints_each_accuracy_to_three_decimals(monkeypatch, capsy
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
     assert rows == ["| cache | greedy accuracy on 7 held-out prompts |", "|---|---|", "| dense | 0.571 |",
                     f"| {SPARSE.name} | 0.143 |"]
+
+
+def test_pad_to_fills_zeros_after_the_columns_of_a_2d_or_3d_tensor():
+    # Pins pad_to by hand: run_inference pads each batch's [N, t] log-probs and mask and [N, t, k] top-k to
+    # max_new_tokens before it concatenates the batches. Its tests' batches all run to max_new_tokens, so padding
+    # the rows instead of the columns, or the front instead of the back, went unseen there
+    assert evaluate.pad_to(torch.tensor([[1.0, 2], [3, 4]]), 4).tolist() == [[1, 2, 0, 0], [3, 4, 0, 0]]
+    topk = torch.tensor([[[1.0, 2], [3, 4]]])                            # [1, 2, 2]
+    assert evaluate.pad_to(topk, 3).tolist() == [[[1, 2], [3, 4], [0, 0]]]
 
 
 def test_run_inference_times_its_own_work(toy, monkeypatch):
