@@ -94,6 +94,7 @@ def test_counts_the_layers_and_heads_that_hold_each_position(tmp_path, capsys):
     # the same from what the sampler recorded, by hand: a position counts where a (layer, head) holds it
     out = keeps.generate(model, [keeps.encode_prompt(tokenizer, prompt)], sparse, 10, temperature=0,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, record=True)
+    assert 0 < len(tokens) and tokens == out.tokens[0][out.mask[0] > 0].tolist()   # the whole answer, its last too
     history = out.kept                                                   # per layer [steps, 1, H_kv, S]
     for step in range(kept.shape[0]):
         for position in range(kept.shape[1]):
@@ -164,8 +165,9 @@ def test_a_policy_named_twice_is_one_panel(tmp_path, monkeypatch, capsys):
 
 
 def test_example_picks_among_the_long_prompts_and_one_past_them_is_named(tmp_path, monkeypatch, capsys):
-    # Pins keeps' --example: the Nth of the held-out prompts longer than budget + interval (here 2 of 3: "P12="
-    # is short), and --example 2, one past them, is one clear line (`>` for `>=` was an IndexError traceback)
+    # Pins keeps' --example: the Nth of the held-out prompts longer than budget + interval (here 2 of 4: "P12="
+    # is short, and "Pab12cde=", BOS + 9 = 10 tokens, is no longer than 6 + 4: `>=` for `>` counted it), and
+    # --example 2, one past them, is one clear line (`>` for `>=` was an IndexError traceback)
     # before the model loads. Pins too the cache each panel is drawn through: the task's interval 4, window 4,
     # sink 2 (pick's, train.py's) at --budget 6, the task's max_new_tokens 12, and the answer decoded without
     # its special tokens (an end of sequence is no part of the answer)
@@ -173,6 +175,7 @@ def test_example_picks_among_the_long_prompts_and_one_past_them_is_named(tmp_pat
     decode = lambda self, tokens, skip_special_tokens: "7" if skip_special_tokens else "7</s>"
     tokenizer = type("T", (), dict(decode=decode))()
     monkeypatch.setattr(keeps, "held_out_examples", lambda *a: [dict(prompt="P12=", answer="1"),
+                                                                dict(prompt="Pab12cde=", answer="12"),
                                                                 dict(prompt="Pabc123de=", answer="2"),
                                                                 dict(prompt="Pxyz999xy=", answer="9")])
     monkeypatch.setattr(keeps, "load_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
