@@ -259,3 +259,7 @@ def test_page_plan_by_hand():
     assert plan.bias.tolist() == [[[-inf] * 5 + [0.0] * 3 + [inf, inf]]] * 2
     assert plan.chosen.tolist() == [[[True] * 5 + [False] * 5], [[True] * 3 + [False] * 7]]
     assert plan.window == 16
+    # 40 slots fill exactly 10 pages: no 11th. `pos.shape[-1] // page_size + 1` (right at 39 slots) planned an empty
+    # 11th page, and a row asking for more ranks than it has pages gathered 4 slots more a step, none of them seen
+    plan = page_plan(torch.tensor([[4] * 10 + [0, 0]]), torch.tensor([12]), 12, torch.arange(40).expand(1, H_KV, 40), 4)
+    assert plan.tokens.tolist() == [[[4] * 10]] and plan.chosen.tolist() == [[[True] * 10]]
