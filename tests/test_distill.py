@@ -81,6 +81,15 @@ def test_the_adapter_adds_alpha_over_rank_times_B_A_x_to_a_linear_layer():
         assert torch.equal(layer(x), x @ layer.weight.T)                                 # off: the plain layer
         with lora.on():
             assert torch.allclose(layer(x), x @ layer.weight.T + 16 / 4 * (x @ A.T) @ B.T, atol=1e-5)
+    # a layer held in bf16 (a model loaded with dtype=bfloat16, no autocast): the update in fp32 (A and B are), added
+    # in the layer's dtype. Without .float(), bf16 x @ fp32 A fails; without .to(), the output comes back fp32
+    layer.to(torch.bfloat16)
+    xb = x.bfloat16()
+    xf = xb.float()                                          # the reference: the same (rounded) inputs in fp32
+    with torch.no_grad(), lora.on():
+        y = layer(xb)
+    assert y.dtype == torch.bfloat16
+    assert torch.allclose(y.float(), xf @ layer.weight.float().T + 16 / 4 * (xf @ A.T) @ B.T, atol=5e-2)
 
 
 def test_the_dense_policy_never_sees_the_adapter(tmp_path):
