@@ -224,11 +224,13 @@ def test_the_adapters_ppo_term_is_on_policy_whatever_the_sampler_recorded():
         assert torch.allclose(logp.grad, torch.tensor([[-1 / 3, 0.0], [1 / 3, 1 / 3]]))
 
 
-def test_one_adapter_step_over_micro_batches_is_one_step_over_the_batch():
+@pytest.mark.parametrize("variant, lam", [("ppo-kl", 0.05), ("kl", distill.LAMBDA)])
+def test_one_adapter_step_over_micro_batches_is_one_step_over_the_batch(variant, lam):
     # rows of 12, 5 and 9 response tokens [3, 12]. Reference: the whole batch's token-mean loss in one forward, its
     # gradient clipped to norm 1, one SGD step (lr 1). Micro-batches of 1 and of 3 rows must take that step, report
     # that loss and KL, freeze theta (no gradient lands on it) and leave no gradient behind on phi. At the sampler's
-    # temperature 0.7 (--temperature), which the step's sparse forward must score at (at 1.0: another loss)
+    # temperature 0.7 (--temperature), which the step's sparse forward must score at (at 1.0: another loss). With
+    # --distill and a --distill-lambda not the defaults: a step that dropped either still passed at ppo-kl, 1e-3
     model = tiny_model("llama")
     lora = moved_adapter(model)
     with lora.on():
@@ -239,16 +241,17 @@ def test_one_adapter_step_over_micro_batches_is_one_step_over_the_batch():
     start = {k: v.detach().clone() for k, v in lora.state_dict().items()}
     with lora.on():
         logp = distill.sparse_logprobs(model, out, temperature=0.7)
-        loss, stats = distill.distill_loss(logp, out, logp_old, advantages)
+        loss, stats = distill.distill_loss(logp, out, logp_old, advantages, variant, lam)
     loss.backward()
-    assert torch.nn.utils.clip_grad_norm_(lora.parameters(), 1.0) > 1                  # the clip acts
+    norm = torch.nn.utils.clip_grad_norm_(lora.parameters(), 1.0)
+    assert norm > 1 or variant == "kl"                  # the clip acts (the KL alone: a gradient under norm 1)
     expected = {k: start[k] - p.grad for k, p in lora.named_parameters()}
     model.zero_grad(set_to_none=True)                                   # the reference's backward reached theta
     for micro in (1, 3):
         lora.load_state_dict(start)
         lora.zero_grad(set_to_none=True)
-        args = SimpleNamespace(micro_batch=micro, dtype="float32", temperature=0.7, distill="ppo-kl",
-                               distill_lambda=distill.LAMBDA)
+        args = SimpleNamespace(micro_batch=micro, dtype="float32", temperature=0.7, distill=variant,
+                               distill_lambda=lam)
         metrics = distill.step(model, lora, torch.optim.SGD(lora.parameters(), lr=1.0), out, logp_old, advantages,
                                args)
         assert metrics["distill_loss"] == pytest.approx(loss.item(), rel=1e-5)
