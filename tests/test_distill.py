@@ -335,6 +335,10 @@ def test_loading_refuses_another_models_adapter_and_a_damaged_file(tmp_path):
     with pytest.raises(ValueError, match="adapter.safetensors holds an adapter of another model: 56 tensors, this "
                                          "one 28"):
         distill.LoRA(tiny_model("llama"), 4).load(path)
+    distill.LoRA(tiny_model("llama"), 2).save(path)          # another --lora-rank: named, with what to resume with
+    with pytest.raises(ValueError, match=r"holds a rank-2 adapter, this one has rank 4 \(train.py: resume with the "
+                                         r"--lora-rank it was trained with\)$"):
+        distill.LoRA(tiny_model("llama"), 4).load(path)
     lora = distill.LoRA(tiny_model("llama"), 4)
     tensors = {k: p.detach().clone() for k, p in lora.tensors().items()}
     tensors["A.layers/0/self_attn/k_proj"] = tensors["A.layers/0/self_attn/k_proj"][:, :1].contiguous()
