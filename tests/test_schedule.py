@@ -377,6 +377,10 @@ def test_bins_for_covers_every_context_a_response_token_is_sampled_at_and_no_mor
     (lambda: tail_by_bin(torch.ones(2), torch.zeros(2, dtype=torch.long), 0), "bin_size must be a positive"),
     (lambda: calibrate(None, PROMPTS, [8], bin_size=0), "bin_size must be a positive integer, got 0"),   # before
     (lambda: calibrate(None, PROMPTS, [8], q=5), "q must lie in \\[0, 1\\], got 5"),         # the model is used
+    # check_bins' upper bound and integer check (a `threshold < 0` check, or `bin_size < 1` alone, passed both)
+    (lambda: calibrate(None, PROMPTS, [8], threshold=1.5), "threshold must lie in \\[0, 1\\], got 1.5"),
+    (lambda: tail_by_bin(torch.ones(2), torch.zeros(2, dtype=torch.long), 1.5),
+     "bin_size must be a positive integer, got 1.5"),
 ])
 def test_bad_input_is_a_clear_error(make, message):
     with pytest.raises(ValueError, match=message):
@@ -394,6 +398,9 @@ def test_schedule_files_round_trip_and_bad_files_are_named(tmp_path):
             Schedule.load(tmp_path / name)
     with pytest.raises(ValueError, match="no key 'budgets'"):
         Schedule.load(tmp_path / "keys.json")
+    (tmp_path / "ints.json").write_text('{"bins": 0, "budgets": 0}')   # a TypeError inside, named as the rest
+    with pytest.raises(ValueError, match="cannot read a schedule from .*ints.json: 'int' object is not iterable"):
+        Schedule.load(tmp_path / "ints.json")
     (tmp_path / "list.json").write_text("[0, 8]")                       # JSON, but no object: said so
     with pytest.raises(ValueError, match='list.json: it holds a list, not {"bins": \\[...\\], "budgets": \\[...\\]}$'):
         Schedule.load(tmp_path / "list.json")
@@ -782,3 +789,4 @@ def test_an_empty_schedule_is_a_clear_error_and_an_empty_file_is_named(tmp_path)
     (tmp_path / "empty.json").write_text('{"bins": [], "budgets": []}')
     with pytest.raises(ValueError, match="cannot read a schedule from .*empty.json: need one budget per bin"):
         Schedule.load(tmp_path / "empty.json")
+
