@@ -790,3 +790,20 @@ def test_an_empty_schedule_is_a_clear_error_and_an_empty_file_is_named(tmp_path)
     with pytest.raises(ValueError, match="cannot read a schedule from .*empty.json: need one budget per bin"):
         Schedule.load(tmp_path / "empty.json")
 
+
+def test_blamed_bin_by_hand_and_by_bins_default_q():
+    """Pins blamed_bin's page count and `seen`, which calibrate's tests reach only at page boundaries they do not
+    cross and without `seen` (the controller's), and by_bin's default q, 0.05 (docs/method.md section 4; each
+    caller here passed q). Mutants caught: `int(longest) // page_size + 1` pages, `attended < pages` as `<=`,
+    the `seen` filter dropped, by_bin's q=0.1."""
+    # block top-k, pages of 16: budget 192 attends 192 // 16 + 3 = 15 pages; the longest context 240 holds tokens
+    # 0..239, 15 pages (nothing skipped: None); 241 holds 16 (bin 1 skips one: bin 1 itself)
+    assert S.blamed_bin(1, [128, 192], [127, 240], [], page_size=16) is None
+    assert S.blamed_bin(1, [128, 192], [127, 241], [], page_size=16) == 1
+    # eviction: the latest compressing bin up to i among those measured; bin 1 unmeasured is no culprit
+    assert S.blamed_bin(2, [4, 4, 4], [3, 7, 11], [0, 1]) == 1
+    assert S.blamed_bin(2, [4, 4, 4], [3, 7, 11], [0, 1], seen={0, 2}) == 0
+    # by_bin without q: the 5th percentile of bin 0's [0.0, 0.5, 1.0, 1.0, 1.0] is 0.1 (numpy's, linear; 0.1: 0.2)
+    alpha = torch.tensor([[0.0, 0.5, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    tails = S.by_bin(alpha, torch.tensor([[0, 1, 2, 3, 4]]), constant(8), 8)[0]
+    assert tails.tolist() == pytest.approx([np.quantile(alpha.numpy(), 0.05)]) == [0.1]
