@@ -567,11 +567,13 @@ def test_calibration_names_a_warmup_json_that_holds_no_run(tmp_path, capsys, tex
 
 
 def test_speedup_of_a_long_schedule_at_a_short_context_leaves_out_the_stretched_row(tmp_path, capsys, monkeypatch):
-    # stretched to fewer tokens than it spans, a schedule's bins would merge: that row is left out
+    # stretched to fewer tokens than it spans, a schedule's bins would merge: that row is left out; at exactly the
+    # tokens it spans (its last bin ends at 48) it would repeat the calibrated row as "x1" (a `factor >= 1` did)
     piecewise([0, 16, 32], [8, 12, 16]).save(tmp_path / "s.json")
-    S.main(["--speedup", str(tmp_path / "s.json"), "--context", "2", "--batch", "1"])
-    out = capsys.readouterr().out
-    assert "as calibrated" in out and "stretched" not in out and "constant budget 8192" in out
+    for context in ("2", "48"):
+        S.main(["--speedup", str(tmp_path / "s.json"), "--context", context, "--batch", "1"])
+        out = capsys.readouterr().out
+        assert "as calibrated" in out and "stretched" not in out and "constant budget 8192" in out
     # and at a long context the row is there, priced on the schedule stretched by hand: its last bin ends at
     # 32 + 16 = 48, so 4800 tokens stretch it x100, bins and budgets alike. Only strings were checked: mutants
     # that priced the unstretched schedule, or stretched from the last bin's start (x150), passed
