@@ -17,6 +17,17 @@ def model():
     return tiny_model("llama")
 
 
+def by_hand(budgets=None, **changes):
+    """The controller the tests below work out by hand: bins of 32, interval 1, threshold 0.75, band 0.125, step 8,
+    up 1.5, budgets in [20, 100], min_tokens 2, start 24; `changes` replace any of these. `budgets`: its schedule set
+    by hand, one budget per bin from 0 (none: two bins at the start budget)."""
+    c = Controller(**dict(dict(threshold=0.75, bin_size=32, bins=2 if budgets is None else len(budgets), start=24,
+                               low=20, high=100, step=8, up=1.5, band=0.125, min_tokens=2), **changes))
+    if budgets is not None:
+        c.schedule = piecewise([32 * i for i in range(len(budgets))], budgets)
+    return c
+
+
 def test_controller_holds_the_tail_in_its_band_with_budgets_that_grow_with_the_context(model):
     # (With the authors' SnapKV scoring, a constant budget at the controller's token-weighted mean, 13, also
     # holds 0.97 on this tiny random model, at 0.9700 in its worst bin: the controller's gain is not shown here.)
@@ -69,9 +80,7 @@ def test_controller_raises_a_blamed_bin_once_and_never_one_it_did_not_see():
     # Pins update's blame set and its `seen`: two failing bins that blame the same bin raise it once (a list
     # would raise 20 twice, to 45), and a bin with fewer than min_tokens tokens is no culprit (without `seen`,
     # bin 1, where the row compresses from context 37 on, would be the latest bin that evicts: 24 -> 36).
-    c = Controller(threshold=0.75, bin_size=32, bins=3, start=24, low=20, high=100, step=8, up=1.5, band=0.125,
-                   min_tokens=2)
-    c.schedule = piecewise([0, 32, 64], [20, 60, 80])  # bins 1, 2 fail, compress nothing (the row holds <= 54): bin 0
+    c = by_hand([20, 60, 80])                          # bins 1, 2 fail, compress nothing (the row holds <= 54): bin 0
     c.update(torch.tensor([[1.0, 1.0, 0.5, 0.5, 0.5, 0.5]]), torch.tensor([[25, 30, 40, 50, 64, 65]]))
     assert c.budgets == (30, 60, 80)                   # 20 * 1.5 once; bin 0 not lowered: later bins failed
     c.schedule = piecewise([0, 32, 64], [20, 24, 80])  # bin 1 holds one token only: unseen; bin 2 fails -> bin 0
@@ -106,26 +115,21 @@ def test_controller_edges_by_hand():
     holds; a bin compresses once its row holds budget + interval tokens exactly; the latest earlier bin that
     compresses is the culprit, not the first; budgets are capped at `high` and floored at `low`; a tail at exactly
     threshold + band is not lowered."""
-    def controller(budgets):
-        c = Controller(threshold=0.75, bin_size=32, bins=3, start=24, low=20, high=100, step=8, up=1.5, band=0.125,
-                       min_tokens=2)
-        c.schedule = piecewise([0, 32, 64], budgets)
-        return c
     alpha = lambda *tails: torch.tensor([[t for t in tails for _ in range(2)]])
     row = torch.tensor([[5, 6, 40, 41, 64, 65]])
-    c = controller((24, 55, 64))             # bin 0 leaves 24 tokens at context 31, so at 63 the row holds 56 =
+    c = by_hand((24, 55, 64))                # bin 0 leaves 24 tokens at context 31, so at 63 the row holds 56 =
     c.update(alpha(1.0, 0.5, 0.75), row)     # 55 + 1: bin 1 compresses, 55 -> 83 (bin 2 lifted with it); bin 2,
     assert c.budgets == (24, 83, 83)         # at the threshold, holds
-    c = controller((24, 56, 64))             # at 56, 56 tokens are not 57: bin 1 compresses nothing, bin 0 is the
+    c = by_hand((24, 56, 64))                # at 56, 56 tokens are not 57: bin 1 compresses nothing, bin 0 is the
     c.update(alpha(1.0, 0.5, 0.75), row)     # culprit, 24 -> 36; not lowered, since bin 1 after it failed
     assert c.budgets == (36, 56, 64)
-    c = controller((20, 24, 80))             # a row at contexts 25-65: bin 2 fails, compresses nothing (the row
+    c = by_hand((20, 24, 80))                # a row at contexts 25-65: bin 2 fails, compresses nothing (the row
     c.update(alpha(1.0, 1.0, 0.5), torch.tensor([[25, 30, 40, 50, 64, 65]]))   # holds <= 26); bins 0 (from
     assert c.budgets == (20, 36, 80)         # 26) and 1 (from 36) both do: the latest, bin 1, is raised, 24 -> 36
-    c = controller((20, 24, 80))             # bin 2 fails at contexts up to 200 (past the last bin: counted in it),
+    c = by_hand((20, 24, 80))                # bin 2 fails at contexts up to 200 (past the last bin: counted in it),
     c.update(alpha(1.0, 1.0, 0.5), torch.tensor([[25, 30, 40, 50, 90, 200]]))   # compressing from 120 on:
     assert c.budgets == (20, 24, 100)        # 80 * 1.5 = 120, capped at high = 100
-    c = controller((24, 40, 64))             # every bin holds: lowered by 8, bin 0 floored at low = 20; bin 1 sits
+    c = by_hand((24, 40, 64))                # every bin holds: lowered by 8, bin 0 floored at low = 20; bin 1 sits
     c.update(alpha(1.0, 0.875, 1.0), torch.tensor([[5, 6, 40, 41, 64, 65]]))   # at threshold + band: kept
     assert c.budgets == (20, 40, 56)
     c = Controller(threshold=0.9, bin_size=16, bins=2, start=4, low=1, high=64, up=1.1, min_tokens=1)
@@ -140,9 +144,7 @@ def test_controller_leaves_a_bin_whose_tail_equals_the_threshold_alone():
     # holds (< is the rule), so no bin is raised; bins 0 and 1, above threshold + band with no failing bin at or
     # after them, are lowered by 8 (bin 0 floored at 20), bin 2 stays. Counting 0.75 as failing blames bin 1
     # (the latest that compresses): 55 -> 83, and nothing lowered: (24, 83, 83).
-    c = Controller(threshold=0.75, bin_size=32, bins=3, start=24, low=20, high=100, step=8, up=1.5, band=0.125,
-                   min_tokens=2)
-    c.schedule = piecewise([0, 32, 64], (24, 55, 64))
+    c = by_hand((24, 55, 64))
     c.update(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.75, 0.75]]), torch.tensor([[5, 6, 40, 41, 64, 65]]))
     assert c.budgets == (20, 47, 64)
 
@@ -153,9 +155,7 @@ def test_controller_leaves_a_bin_with_fewer_than_min_tokens_alone_though_its_tai
     to read, so nothing fails; bins 0 and 1 sit above threshold + band and are lowered by 8 (bin 0 floored at 20):
     (20, 32, 64). Counting the thin bin as failing would raise the latest compressing bin it saw (bin 1: 40 -> 60)
     and keep bins 0 and 1 from being lowered: (24, 60, 64)."""
-    c = Controller(threshold=0.75, bin_size=32, bins=3, start=24, low=20, high=100, step=8, up=1.5, band=0.125,
-                   min_tokens=2)
-    c.schedule = piecewise([0, 32, 64], (24, 40, 64))
+    c = by_hand((24, 40, 64))
     c.update(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.5]]), torch.tensor([[5, 6, 40, 41, 64]]))
     assert c.budgets == (20, 32, 64)
 
@@ -166,8 +166,7 @@ def test_controller_blames_by_its_own_interval(interval, budgets):
     fails. By hand, at interval 1 the row holds 25 = 24 + 1 at context 25 and compresses, so bin 0 is to blame:
     24 * 1.5 = 36. At interval 4 it would compress once it held 28, and it holds at most 26: no bin compressed,
     eviction is not the cause, nothing moves (and a failing bin is not lowered)."""
-    c = Controller(threshold=0.75, bin_size=32, bins=2, start=24, low=20, high=100, step=8, up=1.5, band=0.125,
-                   min_tokens=2, interval=interval)
+    c = by_hand(interval=interval)
     c.update(torch.full((1, 7), 0.5), torch.arange(20, 27)[None])
     assert c.budgets == budgets
 
@@ -205,8 +204,7 @@ def test_controller_reads_the_tail_at_its_q():
     # hand: at q = 0.5 the tail is the median, 1.0 > 0.75 + 0.125, so bin 0 is lowered by 8, 24 -> 16 (bin 1 holds
     # no token: left alone). At q = 0.05 it is 0.3 * 1.0 = 0.3 < 0.75: bin 0 fails and is raised, 24 -> 36.
     for q, budgets in [(0.5, (16, 24)), (0.05, (36, 36))]:
-        c = Controller(threshold=0.75, bin_size=32, bins=2, start=24, low=8, high=100, step=8, up=1.5, band=0.125,
-                       min_tokens=2, q=q)
+        c = by_hand(low=8, q=q)
         c.update(torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]]), torch.arange(20, 27)[None])
         assert c.budgets == budgets
 
@@ -216,9 +214,7 @@ def test_controller_does_not_lower_a_bin_with_fewer_than_min_tokens_though_its_t
     # (24, 40, 64), one row at contexts 5, 6, 40, 41, 64, every alpha 1.0. By hand: nothing fails; bins 0 and 1
     # are lowered by 8 (bin 0 floored at 20); bin 2 holds one token, too thin to read: kept at 64. Lowering every
     # bin above threshold + band would give (20, 32, 56).
-    c = Controller(threshold=0.75, bin_size=32, bins=3, start=24, low=20, high=100, step=8, up=1.5, band=0.125,
-                   min_tokens=2)
-    c.schedule = piecewise([0, 32, 64], (24, 40, 64))
+    c = by_hand((24, 40, 64))
     c.update(torch.ones(1, 5), torch.tensor([[5, 6, 40, 41, 64]]))
     assert c.budgets == (20, 32, 64)
 
@@ -227,8 +223,7 @@ def test_controller_with_step_0_only_raises():
     """step >= 0 is the rule: step 0 is a controller that never lowers a budget. By hand (bins of 32, budgets 24,
     one row at contexts 20-26 that compresses at 25): every alpha 1.0 > 0.75 + 0.125 keeps (24, 24) where step 8
     would give (16, 24); every alpha 0.5 fails bin 0, which is raised, 24 * 1.5 = 36 (bin 1 lifted with it)."""
-    c = Controller(threshold=0.75, bin_size=32, bins=2, start=24, low=8, high=100, step=0, up=1.5, band=0.125,
-                   min_tokens=2)
+    c = by_hand(low=8, step=0)
     c.update(torch.ones(1, 7), torch.arange(20, 27)[None])
     assert c.budgets == (24, 24)
     c.update(torch.full((1, 7), 0.5), torch.arange(20, 27)[None])
@@ -240,7 +235,6 @@ def test_controller_reads_the_5th_percentile_by_default():
     # every --controller run reads this one). Same row as the test above, alpha 0 once and 1 six times, threshold
     # 0.5: the 5th percentile, 0.3, fails and bin 0 (it compresses at 25) is raised, 24 -> 36; a 10th, 0.6, holds
     # (not above 0.5 + 0.125 either): nothing would move.
-    c = Controller(threshold=0.5, bin_size=32, bins=2, start=24, low=8, high=100, step=8, up=1.5, band=0.125,
-                   min_tokens=2)
+    c = by_hand(threshold=0.5, low=8)
     c.update(torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]]), torch.arange(20, 27)[None])
     assert c.budgets == (36, 36)
